@@ -107,10 +107,10 @@ class WhisperTranscriber:
             if w.end <= duration_s + 0.5  # words "heard" in the padding are hallucinations
         ]
         if word_timestamps:
-            words = words[: len(collapse_repetition([w.text for w in words]))]
+            words = words[: len(clean_tail(collapse_repetition([w.text for w in words])))]
             text = " ".join(w.text for w in words)
         else:
-            text = " ".join(collapse_repetition(" ".join(s.text for s in segments).split()))
+            text = " ".join(clean_tail(collapse_repetition(" ".join(s.text for s in segments).split())))
         return Transcript(text=text, words=words, compute_ms=(time.monotonic_ns() - started) / 1e6)
 
 
@@ -119,16 +119,28 @@ def _norm(word: str) -> str:
 
 
 def collapse_repetition(words: list[str]) -> list[str]:
-    """Undo Whisper's looping failure: "A B C. A B C. A B" -> "A B C.".
+    """Undo Whisper's looping failure: "A B C. A B C. A B and" -> "A B C.".
 
-    The decoder on a short window sometimes repeats the utterance until the token cap. A text made only of
-    one phrase repeated (three times for 1-2 word phrases, twice for longer ones) is reduced to that phrase.
+    The decoder on a short window sometimes repeats the utterance until the token cap or a stray word. A
+    text that starts with one phrase said again right after it (three times for 1-2 word phrases) is cut
+    to that phrase; a real speaker repeating a 3+ word phrase back to back is far rarer than this failure.
     """
     keys = [_norm(w) for w in words]
     for period in range(1, len(words) // 2 + 1):
-        copies = len(words) / period
-        if copies < (3 if period < 3 else 2):
+        copies = 2 if period >= 3 else 3
+        if len(words) < copies * period:
             continue
-        if all(keys[i] == keys[i % period] for i in range(len(words))):
+        if all(keys[i] == keys[i % period] for i in range(copies * period)):
             return words[:period]
+    return words
+
+
+def clean_tail(words: list[str]) -> list[str]:
+    """Drop one dangling word after the last sentence end ("...distant. and"), which Whisper hears in the padding.
+
+    At the end of a committed turn a lone unpunctuated word after a full stop is almost always that
+    hallucination (seen on horizon.wav at several cut points); a real trailing word was cut off anyway.
+    """
+    if len(words) >= 2 and words[-2][-1:] in ".?!" and words[-1][-1:].isalnum():
+        return words[:-1]
     return words

@@ -1,0 +1,36 @@
+"""Run every benchmark and write one JSON file under bench/results/ (`make bench`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from bench import services
+
+
+def main() -> None:
+    results: dict[str, object] = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
+        "services": services.run(),
+    }
+    try:
+        from bench import pipeline
+
+        results["pipeline"] = pipeline.run()
+    except ImportError:
+        pass
+    out_dir = Path(__file__).resolve().parent / "results"
+    out_dir.mkdir(exist_ok=True)
+    path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(results, indent=2))
+    json.dump(results, sys.stdout, indent=2)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

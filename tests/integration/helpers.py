@@ -1,0 +1,30 @@
+"""Helpers for tests that talk to real services."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+
+async def expect_error(call: AsyncIterator[object], code: grpc.StatusCode, *words: str) -> str:
+    """Drain a streaming call; assert it ends with `code` and a message containing `words`."""
+    try:
+        async for _ in call:
+            pass
+    except grpc.aio.AioRpcError as error:
+        assert error.code() == code, f"expected {code.name}, got {error.code().name}: {error.details()}"
+        for word in words:
+            assert word in error.details(), f"{word!r} not in {error.details()!r}"
+        return error.details()
+    raise AssertionError(f"call ended without the expected {code.name}")
+
+
+async def requests(*messages: object) -> AsyncIterator[object]:
+    for message in messages:
+        yield message
+
+
+async def requests_from(messages: Iterable[object]) -> AsyncIterator[object]:
+    for message in messages:
+        yield message

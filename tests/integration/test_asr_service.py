@@ -1,0 +1,123 @@
+"""The ASR service on the real tiny.en model, streamed at real-time pace over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tests.conftest import TRANSCRIPTS, load_clip
+from tests.integration.helpers import expect_error, requests
+from voicemesh import clients
+from voicemesh.clients import pcm_frame
+from voicemesh.evaluation import word_error_rate
+from voicemesh.v1 import asr_pb2, asr_pb2_grpc, audio_pb2
+
+pytestmark = pytest.mark.integration
+
+
+async def transcript_of(target: str, name: str, rate_hz: int = 16000) -> tuple[str, list]:
+    events = [e async for e in clients.recognize(target, load_clip(name), rate_hz, realtime=True)]
+    finals = " ".join(e.final.text for _, e in events if e.WhichOneof("event") == "final")
+    return finals, events
+
+
+async def test_clips_streamed_in_real_time_are_transcribed_within_wer_015(services: dict[str, str]) -> None:
+    names = list(TRANSCRIPTS)
+    results = await asyncio.gather(*(transcript_of(services["asr"], name) for name in names))
+    for name, (text, events) in zip(names, results, strict=True):
+        wer = word_error_rate(TRANSCRIPTS[name], text)
+        assert wer <= 0.15, f"{name}: WER {wer:.2f}: {text!r}"
+        kinds = [e.WhichOneof("event") for _, e in events]
+        assert kinds[0] == "speech_started" and "final" in kinds
+        for _, event in events:
+            if event.WhichOneof("event") == "final":
+                assert event.timing.compute_ms > 0
+                assert event.final.words, "finals carry word timings by default"
+                assert event.speech_end_capture_time_us > 0
+
+
+async def test_partials_arrive_before_the_end_of_speech(services: dict[str, str]) -> None:
+    _, events = await transcript_of(services["asr"], "wizard")
+    first_final_at = next(t for t, e in events if e.WhichOneof("event") == "final")
+    speech_end_s = max(e.speech_end_ms for _, e in events) / 1000
+    partials = [(t, e) for t, e in events if e.WhichOneof("event") == "partial"]
+    assert len(partials) >= 3
+    assert partials[0][0] < speech_end_s < first_final_at
+    assert any(e.partial.stable_prefix for _, e in partials), "a stable prefix appears while the user talks"
+    assert all(e.timing.queue_ms >= 0 and e.timing.compute_ms > 0 for _, e in partials)
+
+
+async def test_48khz_input_is_resampled(services: dict[str, str]) -> None:
+    text, _ = await transcript_of(services["asr"], "spk2_snt1", rate_hz=48000)
+    assert word_error_rate(TRANSCRIPTS["spk2_snt1"], text) <= 0.15, text
+
+
+async def test_pause_gives_candidate_then_resume(services: dict[str, str]) -> None:
+    """jfk.wav pauses ~1.1 s after "Americans": with a long hangover the candidate is withdrawn, one turn."""
+    config = asr_pb2.RecognitionConfig(
+        interim_results=False,
+        endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=150, hangover_ms=1600),
+    )
+    clip = load_clip("jfk")
+    events = [e async for _, e in clients.recognize(services["asr"], clip, config=config, trailing_silence_s=2.0)]
+    kinds = [e.WhichOneof("event") for e in events]
+    assert "endpoint_candidate" in kinds and "speech_resumed" in kinds
+    finals = [e for e in events if e.WhichOneof("event") == "final"]
+    assert len(finals) == 1
+    assert word_error_rate(TRANSCRIPTS["jfk"], finals[0].final.text) <= 0.15, finals[0].final.text
+
+
+def _config(**fields: object) -> asr_pb2.RecognizeRequest:
+    base = {"session_id": "test", "sample_rate_hz": 16000}
+    base.update(fields)
+    return asr_pb2.RecognizeRequest(config=asr_pb2.RecognitionConfig(**base))
+
+
+def _frame(seq: int, data: bytes = b"\x00\x00" * 320, rate: int = 16000) -> asr_pb2.RecognizeRequest:
+    return asr_pb2.RecognizeRequest(frame=pcm_frame(data, rate, seq))
+
+
+@pytest.mark.parametrize(
+    ("messages", "code", "words"),
+    [
+        ([_config(sample_rate_hz=44100)], grpc.StatusCode.INVALID_ARGUMENT, ("sample_rate_hz=44100", "16000 or 48000")),
+        ([_config(sample_rate_hz=0)], grpc.StatusCode.INVALID_ARGUMENT, ("sample_rate_hz=0",)),
+        ([_config(session_id="")], grpc.StatusCode.INVALID_ARGUMENT, ("session_id",)),
+        ([_frame(0)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "RecognitionConfig")),
+        ([_config(), _frame(0), _config()], grpc.StatusCode.FAILED_PRECONDITION, ("second RecognitionConfig",)),
+        ([_config(), _frame(0, b"\x00" * 641)], grpc.StatusCode.INVALID_ARGUMENT, ("641 bytes", "odd")),
+        ([_config(), _frame(0), _frame(1), _frame(5)], grpc.StatusCode.OUT_OF_RANGE, ("seq=5", "3 frame(s) missing")),
+        ([_config(), _frame(3), _frame(2)], grpc.StatusCode.INVALID_ARGUMENT, ("seq=2 after seq=3",)),
+        (
+            [_config(), asr_pb2.RecognizeRequest(frame=audio_pb2.AudioFrame(data=b"\x00\x00", seq=0))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("AUDIO_ENCODING_UNSPECIFIED",),
+        ),
+        (
+            [_config(endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=500, hangover_ms=200))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("hangover_ms=200",),
+        ),
+        ([_config(language="de")], grpc.StatusCode.INVALID_ARGUMENT, ("language='de'",)),
+    ],
+)
+async def test_bad_input_gets_a_clear_status(services: dict[str, str], messages: list, code, words) -> None:
+    async with grpc.aio.insecure_channel(services["asr"]) as channel:
+        call = asr_pb2_grpc.RecognizerStub(channel).StreamingRecognize(requests(*messages))
+        await expect_error(call, code, *words)
+
+
+async def test_a_broken_client_does_not_disturb_another_stream(services: dict[str, str]) -> None:
+    good = asyncio.ensure_future(transcript_of(services["asr"], "spk1_snt1"))
+    async with grpc.aio.insecure_channel(services["asr"]) as channel:
+        stub = asr_pb2_grpc.RecognizerStub(channel)
+        for _ in range(3):  # a client that sends garbage, and one that hangs up mid-stream
+            await expect_error(
+                stub.StreamingRecognize(requests(_config(), _frame(0, b"\x01"))), grpc.StatusCode.INVALID_ARGUMENT
+            )
+            call = stub.StreamingRecognize(requests(_config(), *[_frame(i) for i in range(50)]))
+            call.cancel()
+    text, _ = await good
+    assert word_error_rate(TRANSCRIPTS["spk1_snt1"], text) <= 0.15

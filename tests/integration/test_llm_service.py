@@ -1,0 +1,106 @@
+"""The LLM service on the real Gemma 3 270M GGUF through llama.cpp, over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from tests.integration.helpers import expect_error
+from voicemesh import clients
+from voicemesh.v1 import llm_pb2, llm_pb2_grpc
+
+pytestmark = pytest.mark.integration
+USER = llm_pb2.ROLE_USER
+
+
+async def test_streams_a_short_reply_with_timings_and_usage(services: dict[str, str]) -> None:
+    responses = [r async for r in clients.generate(services["llm"], [(USER, "What is the capital of France?")])]
+    deltas = [r.text_delta for r in responses if r.text_delta]
+    assert len(deltas) >= 2, "the reply arrives as several deltas, not one block"
+    text = "".join(deltas)
+    assert "Paris" in text and "\n" not in text
+    first, last = responses[0], responses[-1]
+    assert first.ttft_ms > 0 and first.replica and first.model.startswith("gemma")
+    assert last.finish_reason in (llm_pb2.FINISH_REASON_STOP, llm_pb2.FINISH_REASON_LENGTH)
+    assert last.usage.prompt_tokens > 20 and 0 < last.usage.completion_tokens <= 48
+
+
+async def test_follow_up_turn_reuses_the_session_prefix(services: dict[str, str]) -> None:
+    history = [(USER, "My name is Ada. Please remember it.")]
+    first = [r async for r in clients.generate(services["llm"], history, session_id="prefix-test")]
+    reply = "".join(r.text_delta for r in first)
+    history += [(llm_pb2.ROLE_ASSISTANT, reply or "Okay."), (USER, "What is my name?")]
+    second = [r async for r in clients.generate(services["llm"], history, session_id="prefix-test")]
+    usage = second[-1].usage
+    # Everything before the new user line was already in the KV cache.
+    assert usage.cached_prompt_tokens >= first[-1].usage.prompt_tokens - 2
+    assert usage.prompt_tokens - usage.cached_prompt_tokens < 20
+
+
+async def test_cancel_frees_the_slot_at_once(services: dict[str, str]) -> None:
+    long_request = llm_pb2.GenerateRequest(
+        session_id="long",
+        messages=[llm_pb2.ChatMessage(role=USER, content="Count from one to five hundred, separated by commas.")],
+        max_tokens=500,
+        stop=["\n\n"],
+    )
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        stub = llm_pb2_grpc.GeneratorStub(channel)
+        call = stub.Generate(long_request)
+        async for _ in call:
+            break  # first token arrived: the slot is busy generating up to 500 tokens (~15 s here)
+        call.cancel()
+        follow = [r async for r in clients.generate(services["llm"], [(USER, "Say hello.")])]
+    # With one slot, the next request would otherwise wait for the whole 500-token generation.
+    assert follow[0].queue_ms < 2000, f"waited {follow[0].queue_ms:.0f} ms for the slot after a cancel"
+
+
+def _request(**fields: object) -> llm_pb2.GenerateRequest:
+    base: dict[str, object] = {"session_id": "bad", "messages": [llm_pb2.ChatMessage(role=USER, content="Hi")]}
+    base.update(fields)
+    return llm_pb2.GenerateRequest(**base)
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "words"),
+    [
+        (_request(max_tokens=100000), grpc.StatusCode.OUT_OF_RANGE, ("max_tokens=100000", "1-512")),
+        (_request(messages=[]), grpc.StatusCode.INVALID_ARGUMENT, ("messages is empty",)),
+        (_request(session_id=""), grpc.StatusCode.INVALID_ARGUMENT, ("session_id",)),
+        (
+            _request(messages=[llm_pb2.ChatMessage(role=USER, content="  ")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("messages[0].content is empty",),
+        ),
+        (
+            _request(messages=[llm_pb2.ChatMessage(content="Hi")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("messages[0].role",),
+        ),
+        (
+            _request(messages=[llm_pb2.ChatMessage(role=llm_pb2.ROLE_ASSISTANT, content="Hi")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("last message", "ROLE_USER"),
+        ),
+        (_request(temperature=5), grpc.StatusCode.OUT_OF_RANGE, ("temperature=5",)),
+        (
+            _request(messages=[llm_pb2.ChatMessage(role=USER, content="word " * 4000)]),
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("characters",),
+        ),
+    ],
+)
+async def test_bad_input_gets_a_clear_status(services: dict[str, str], request_, code, words) -> None:
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        await expect_error(llm_pb2_grpc.GeneratorStub(channel).Generate(request_), code, *words)
+
+
+async def test_concurrent_requests_queue_and_all_complete(services: dict[str, str]) -> None:
+    async def ask(index: int) -> list[llm_pb2.GenerateResponse]:
+        return [r async for r in clients.generate(services["llm"], [(USER, f"Name a color, number {index}.")])]
+
+    results = await asyncio.gather(*(ask(i) for i in range(3)))
+    assert all(r[-1].finish_reason for r in results)
+    assert max(r[0].queue_ms for r in results) > 0  # one slot: the others waited, and said how long

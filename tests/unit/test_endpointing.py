@@ -1,0 +1,51 @@
+from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
+
+
+def run(probabilities: list[float], policy: EndpointingPolicy | None = None) -> list[tuple[int, Event]]:
+    endpointer = Endpointer(policy or EndpointingPolicy(), window_ms=32)
+    events = []
+    for p in probabilities:
+        event = endpointer.push(p)
+        if event:
+            events.append((endpointer.now_ms, event))
+    return events
+
+
+def test_turn_with_candidate_then_commit() -> None:
+    events = run([0.0] * 5 + [0.9] * 20 + [0.0] * 15)
+    kinds = [e for _, e in events]
+    assert kinds == [Event.SPEECH_STARTED, Event.ENDPOINT_CANDIDATE, Event.END_OF_TURN]
+    speech_end = 25 * 32
+    candidate_at = events[1][0]
+    commit_at = events[2][0]
+    assert candidate_at - speech_end >= 150 and candidate_at - speech_end < 150 + 32
+    assert commit_at - speech_end >= 300 and commit_at - speech_end < 300 + 32
+
+
+def test_pause_shorter_than_hangover_resumes_the_same_turn() -> None:
+    events = run([0.9] * 10 + [0.0] * 6 + [0.9] * 10 + [0.0] * 12)
+    kinds = [e for _, e in events]
+    assert kinds == [
+        Event.SPEECH_STARTED,
+        Event.ENDPOINT_CANDIDATE,
+        Event.SPEECH_RESUMED,
+        Event.ENDPOINT_CANDIDATE,
+        Event.END_OF_TURN,
+    ]
+
+
+def test_blips_shorter_than_min_speech_do_not_open_a_turn() -> None:
+    assert run([0.9, 0.9, 0.0, 0.0, 0.9, 0.0] * 10) == []
+
+
+def test_grey_zone_keeps_the_current_state() -> None:
+    # 0.4 sits between threshold-0.15 and threshold: speech continues, no candidate.
+    events = run([0.9] * 10 + [0.4] * 20)
+    assert [e for _, e in events] == [Event.SPEECH_STARTED]
+
+
+def test_speech_start_is_backdated_to_the_first_speech_window() -> None:
+    endpointer = Endpointer(EndpointingPolicy(min_speech_ms=96), window_ms=32)
+    for p in [0.0] * 3 + [0.9] * 3:
+        endpointer.push(p)
+    assert endpointer.in_turn and endpointer.speech_start_ms == 96
