@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/voicemesh/v1/*.proto)
 STUBS := voicemesh/v1/.generated
 
-.PHONY: setup run test unit integration bench lint format protos clean
+.PHONY: setup run test unit integration bench lint format protos clean k8s-check
 
 setup: $(INSTALLED) $(STUBS)
 
@@ -31,8 +31,23 @@ protos: $(INSTALLED)
 run: setup
 	$(VENV)/bin/voicemesh up
 
-test: setup
-	$(PY) -m pytest -q
+test: setup k8s-check
+	$(PY) -m pytest -q --ignore=tests/unit/test_k8s_chart.py
+
+# The Helm chart and Dockerfiles, checked offline with their own tools (checkov pins ~100 packages, so they
+# live in their own venv rather than the service venv).
+K8S_VENV := .venv-k8s
+K8S_INSTALLED := $(K8S_VENV)/.installed
+
+$(K8S_INSTALLED): deploy/k8s/requirements.txt
+	$(PYTHON) -m venv $(K8S_VENV)
+	$(K8S_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(K8S_VENV)/bin/python -m pip install --quiet -r deploy/k8s/requirements.txt pytest==9.1.1
+	touch $@
+
+k8s-check: $(K8S_INSTALLED)
+	$(K8S_VENV)/bin/python deploy/k8s/check.py
+	$(K8S_VENV)/bin/python -m pytest -q --noconftest -p no:cacheprovider tests/unit/test_k8s_chart.py
 
 unit: setup
 	$(PY) -m pytest -q tests/unit

@@ -31,18 +31,24 @@ def _serve(argv: Sequence[str]) -> None:
 
 async def _up(args: argparse.Namespace) -> None:
     mesh = Mesh(log_dir=args.log_dir)
-    ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port}
-    for name, port in ports.items():
-        mesh.start(name, port)
-    print("starting ASR, LLM and TTS (models load in a few seconds)...", flush=True)
+    ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port, "gateway": args.gateway_port}
+    for name in ("asr", "llm", "tts"):
+        mesh.start(name, ports[name])
+    mesh.start(
+        "gateway",
+        ports["gateway"],
+        [f"--{name}-target=127.0.0.1:{ports[name]}" for name in ("asr", "llm", "tts")],
+    )
+    print("starting ASR, LLM, TTS and the gateway, each its own process (models load in a few seconds)...", flush=True)
     try:
         await mesh.wait()
         for name, port in ports.items():
-            print(f"  {name:<4} grpc://127.0.0.1:{port}  SERVING", flush=True)
+            print(f"  {name:<8} grpc://127.0.0.1:{port}  SERVING", flush=True)
         print(
-            f"try:  voicemesh transcribe ../shared/audio/jfk.wav --target 127.0.0.1:{ports['asr']}\n"
-            f'      voicemesh ask "What is the capital of Spain?" --target 127.0.0.1:{ports["llm"]}\n'
-            f'      voicemesh say "Hello there." --out hello.wav --target 127.0.0.1:{ports["tts"]}\n'
+            f"\ntalk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav --target 127.0.0.1:{ports['gateway']}\n"
+            f"each stage:  voicemesh transcribe CLIP.wav --target 127.0.0.1:{ports['asr']}\n"
+            f'             voicemesh ask "What is the capital of Spain?" --target 127.0.0.1:{ports["llm"]}\n'
+            f'             voicemesh say "Hello there." --out hello.wav --target 127.0.0.1:{ports["tts"]}\n'
             "Ctrl-C stops everything.",
             flush=True,
         )
@@ -137,6 +143,31 @@ async def _say(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _talk(args: argparse.Namespace) -> int:
+    from voicemesh.conversation import SessionError, talk
+    from voicemesh.v1 import conversation_pb2
+
+    config = conversation_pb2.SessionConfig(session_id=args.session_id, input_sample_rate_hz=16000, output_sample_rate_hz=16000)
+    turns, audio, events = await talk(args.target, read_wav(args.clip), config, trailing_silence_s=args.silence)
+    for event in events:
+        if isinstance(event, SessionError):
+            print(f"error in {event.stage}: {event.code}: {event.message}", file=sys.stderr)
+    if args.out:
+        write_wav(args.out, audio, 16000)
+    if args.json:
+        print(json.dumps({"turns": [t.as_dict() for t in turns], "reply_audio_s": round(len(audio) / 32000, 2)}, indent=2))
+        return 0
+    for turn in turns:
+        row = turn.as_dict()
+        print(f"turn {row['turn']}: you said {row['user']!r}")
+        print(f"         reply {row['reply']!r}{' (interrupted)' if row['interrupted'] else ''}")
+        stages = ", ".join(f"{k} {v:.0f}" for k, v in row["stages_ms"].items())  # type: ignore[union-attr]
+        print(f"         V2V {row['v2v_ms']} ms  [{stages}]")
+    if args.out:
+        print(f"wrote {args.out}: {len(audio) / 32000:.1f} s of reply audio")
+    return 0
+
+
 async def _health(args: argparse.Namespace) -> int:
     try:
         await wait_healthy(args.target, args.timeout)
@@ -160,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     up.add_argument("--asr-port", type=int, default=DEFAULT_PORTS["asr"])
     up.add_argument("--llm-port", type=int, default=DEFAULT_PORTS["llm"])
     up.add_argument("--tts-port", type=int, default=DEFAULT_PORTS["tts"])
+    up.add_argument("--gateway-port", type=int, default=DEFAULT_PORTS["gateway"])
     up.add_argument("--log-dir", default=None, help="write each service's logs here instead of the terminal")
 
     tr = sub.add_parser("transcribe", help="stream a WAV into the ASR service")
@@ -182,12 +214,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     say.add_argument("--rate", type=int, default=22050)
     say.add_argument("--json", action="store_true")
 
+    talk = sub.add_parser("talk", help="speak a WAV to the gateway in real time; save the reply; print V2V per turn")
+    talk.add_argument("clip")
+    talk.add_argument("--out", default=None, help="write the reply audio here (WAV)")
+    talk.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}")
+    talk.add_argument("--session-id", default="")
+    talk.add_argument("--silence", type=float, default=4.0, help="seconds of silence streamed after the clip")
+    talk.add_argument("--json", action="store_true")
+
     health = sub.add_parser("health", help="exit 0 once a service reports SERVING")
     health.add_argument("--target", required=True)
     health.add_argument("--timeout", type=float, default=3.0)
 
     args = parser.parse_args(argv)
-    handlers = {"up": _up, "transcribe": _transcribe, "ask": _ask, "say": _say, "health": _health}
+    handlers = {"up": _up, "transcribe": _transcribe, "ask": _ask, "say": _say, "talk": _talk, "health": _health}
     try:
         code = asyncio.run(handlers[args.command](args))
     except KeyboardInterrupt:

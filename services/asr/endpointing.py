@@ -22,6 +22,7 @@ class EndpointingPolicy:
 
 class Event(enum.Enum):
     SPEECH_STARTED = "speech_started"
+    SILENCE_STARTED = "silence_started"  # first silent window after speech: the final decode can start
     ENDPOINT_CANDIDATE = "endpoint_candidate"
     SPEECH_RESUMED = "speech_resumed"
     END_OF_TURN = "end_of_turn"
@@ -85,4 +86,6 @@ class Endpointer:
         if not self.candidate and self._silence_ms >= self.policy.candidate_silence_ms:
             self.candidate = True
             return Event.ENDPOINT_CANDIDATE
+        if self._silence_ms == self.window_ms and not self.candidate:
+            return Event.SILENCE_STARTED
         return None

@@ -119,18 +119,18 @@ def _norm(word: str) -> str:
 
 
 def collapse_repetition(words: list[str]) -> list[str]:
-    """Undo Whisper's looping failure: "A B C. A B C. A B and" -> "A B C.".
+    """Undo Whisper's looping failure: "A B C D. A B C D. A B" -> "A B C D.".
 
-    The decoder on a short window sometimes repeats the utterance until the token cap or a stray word. A
-    text that starts with one phrase said again right after it (three times for 1-2 word phrases) is cut
-    to that phrase; a real speaker repeating a 3+ word phrase back to back is far rarer than this failure.
+    The decoder on a short window sometimes starts the utterance over until the token cap. A phrase of 3+
+    words followed at once by a repeat of at least its first 3 words (for 1-2 word phrases: two full repeats)
+    is cut to the phrase; a real speaker restarting the same 3 words back to back is far rarer.
     """
     keys = [_norm(w) for w in words]
-    for period in range(1, len(words) // 2 + 1):
-        copies = 2 if period >= 3 else 3
-        if len(words) < copies * period:
-            continue
-        if all(keys[i] == keys[i % period] for i in range(copies * period)):
+    for period in range(1, len(words)):
+        repeated = 0
+        while period + repeated < len(words) and keys[period + repeated] == keys[repeated % period]:
+            repeated += 1
+        if repeated >= (3 if period >= 3 else 2 * period):
             return words[:period]
     return words
 

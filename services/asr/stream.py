@@ -90,8 +90,12 @@ class RecognitionStream:
             self._stabilizer.reset()
             self._last_partial_ms = ep.now_ms
             self._send(speech_started=asr_pb2.SpeechStarted())
-        elif event is Event.ENDPOINT_CANDIDATE:
+        elif event is Event.SILENCE_STARTED:
             self._start_draft()
+        elif event is Event.ENDPOINT_CANDIDATE:
+            if self._draft is None:
+                self._start_draft()
+            self._announce_candidate()
         elif event is Event.SPEECH_RESUMED:
             self._draft = None
             if self._candidate_emitted:
@@ -109,7 +113,10 @@ class RecognitionStream:
         return self._audio[start - self._audio_start :].copy(), start * 1000 // SAMPLE_RATE_HZ
 
     def _start_draft(self) -> None:
-        """Final decode of the turn so far, started at the first silence so it is ready when the turn ends."""
+        """Final decode of the turn so far, started at the first silent window so it is ready at the endpoint.
+
+        Silence inside a sentence starts drafts too; one that speech overtakes is shown as a partial instead.
+        """
         audio, offset_ms = self._turn_audio()
         draft = asyncio.ensure_future(
             self._pool.run(
@@ -123,6 +130,22 @@ class RecognitionStream:
         self._draft = draft
         self._draft_offset_ms = offset_ms
         self._candidate_emitted = False
+        self._last_partial_ms = self._endpointer.now_ms
+        turn = self.turn_index
+
+        async def as_partial() -> None:
+            result = await draft
+            overtaken = self._draft is not draft and self.turn_index == turn and self._endpointer.in_turn
+            if overtaken and result.result.text and self.config.interim_results:
+                stable = self._stabilizer.update(result.result.text)
+                self._send(timing_from=result, partial=asr_pb2.Partial(text=result.result.text, stable_prefix=stable))
+
+        self._spawn(as_partial())
+
+    def _announce_candidate(self) -> None:
+        draft = self._draft
+        assert draft is not None
+        offset_ms = self._draft_offset_ms
         turn = self.turn_index
         timing = dict(self._timing_fields())
 
@@ -170,6 +193,8 @@ class RecognitionStream:
             return
         if self._partial_task is not None and not self._partial_task.done():
             return  # one partial in flight per stream
+        if self._draft is not None and not self._draft.done():
+            return  # a draft in flight will serve as the partial
         if self._pool.waiting:
             return  # partials are optional: shed them when decodes are queueing
         self._last_partial_ms = ep.now_ms

@@ -14,10 +14,11 @@ def run(probabilities: list[float], policy: EndpointingPolicy | None = None) -> 
 def test_turn_with_candidate_then_commit() -> None:
     events = run([0.0] * 5 + [0.9] * 20 + [0.0] * 15)
     kinds = [e for _, e in events]
-    assert kinds == [Event.SPEECH_STARTED, Event.ENDPOINT_CANDIDATE, Event.END_OF_TURN]
+    assert kinds == [Event.SPEECH_STARTED, Event.SILENCE_STARTED, Event.ENDPOINT_CANDIDATE, Event.END_OF_TURN]
     speech_end = 25 * 32
-    candidate_at = events[1][0]
-    commit_at = events[2][0]
+    assert events[1][0] == speech_end + 32  # the final decode starts at the first silent window
+    candidate_at = events[2][0]
+    commit_at = events[3][0]
     assert candidate_at - speech_end >= 150 and candidate_at - speech_end < 150 + 32
     assert commit_at - speech_end >= 300 and commit_at - speech_end < 300 + 32
 
@@ -27,8 +28,10 @@ def test_pause_shorter_than_hangover_resumes_the_same_turn() -> None:
     kinds = [e for _, e in events]
     assert kinds == [
         Event.SPEECH_STARTED,
+        Event.SILENCE_STARTED,
         Event.ENDPOINT_CANDIDATE,
         Event.SPEECH_RESUMED,
+        Event.SILENCE_STARTED,
         Event.ENDPOINT_CANDIDATE,
         Event.END_OF_TURN,
     ]

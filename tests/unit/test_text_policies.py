@@ -59,6 +59,8 @@ def test_collapse_repetition() -> None:
     assert collapse_repetition("S S S S".split()) == ["S"]
     tail = "The horizon seems extremely distant. The horizon seems extremely distant. and".split()
     assert collapse_repetition(tail) == "The horizon seems extremely distant.".split()
+    restart = "ask what you can do for your country. Ask what you".split()
+    assert collapse_repetition(restart) == "ask what you can do for your country.".split()
     assert collapse_repetition("no no".split()) == ["no", "no"]  # a real double word stays
     real = "ask what you can do for your country".split()
     assert collapse_repetition(real) == real

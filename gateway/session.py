@@ -1,0 +1,486 @@
+"""One conversation: the user's frames in, a spoken dialogue out. The turn state machine lives here.
+
+listening --(ASR endpoint candidate)--> speculative reply starts, its audio held back
+          --(ASR final, same text)----> the reply is committed: thinking, then speaking as audio arrives
+          --(final differs / speech resumes)--> the speculative reply is cancelled (never spoken, never in history)
+speaking  --(user speech >= barge_in_min_speech_ms)--> interrupted: LLM and TTS cancelled, queued audio dropped
+          --(last frame sent)--> listening
+All three backend streams are per session and long-lived: one ASR stream, one TTS stream, LLM calls on a
+persistent channel. A backend that fails is reported as an error event naming the stage and reconnected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from gateway.backends import Backends
+from gateway.options import SessionOptions
+from voicemesh.clients import epoch_us
+from voicemesh.errors import RequestError
+from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2, tts_pb2
+
+log = logging.getLogger(__name__)
+
+FRAME_S = 0.02
+LEAD_FRAMES = 5  # sent ahead of real time so the client's jitter buffer starts filled (100 ms)
+RECONNECT_BACKOFF_S = (0.2, 2.0)
+FINISH_TIMEOUT_S = 60.0
+ROLE = {"user": llm_pb2.ROLE_USER, "assistant": llm_pb2.ROLE_ASSISTANT}
+
+
+class State(enum.Enum):
+    LISTENING = "listening"
+    THINKING = "thinking"
+    SPEAKING = "speaking"
+
+
+@dataclass
+class Reply:
+    """One attempt at answering a user turn: speculative until committed."""
+
+    utterance_id: int
+    user_text: str
+    speculative: bool
+    committed: bool = False
+    cancelled: bool = False
+    llm_task: asyncio.Task[None] | None = None
+    text: list[str] = field(default_factory=list)
+    frames: collections.deque[tts_pb2.SpeechFrame] = field(default_factory=collections.deque)
+    llm_done: bool = False
+    tts_done: bool = False
+    spoken_chunks: list[str] = field(default_factory=list)
+    frames_sent: int = 0
+    # Metrics
+    turn_index: int = 0
+    llm_queue_ms: float = 0.0
+    llm_ttft_ms: float = 0.0
+    replica: str = ""
+    usage: llm_pb2.Usage = field(default_factory=llm_pb2.Usage)
+    tts_timing: audio_pb2.StageTiming | None = None
+    first_frame_received_us: int = 0
+    first_sent_us: int = 0
+    metrics: conversation_pb2.TurnMetrics = field(default_factory=conversation_pb2.TurnMetrics)
+
+
+class Session:
+    """The pipeline of one conversation, independent of the transport (gRPC Converse, WebSocket, WebRTC).
+
+    The transport calls `push_frame` for each validated input frame and `finish` when the user's side ends,
+    and forwards `events` (ConverseEvent; a RequestError for a fatal problem; None at the end).
+    """
+
+    def __init__(self, options: SessionOptions, backends: Backends, history: list[tuple[str, str]]) -> None:
+        self.options = options
+        self.pipeline = options.pipeline
+        self.backends = backends
+        self.history = history
+        self.events: asyncio.Queue[conversation_pb2.ConverseEvent | RequestError | None] = asyncio.Queue()
+        self.state = State.LISTENING
+        self._turn = len([role for role, _ in history if role == "user"])
+        self._closing = False
+        self._audio_ms = 0.0
+        self._receipt_us: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._asr_queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] | None = None
+        self._asr_seq = 0
+        self._asr_base_ms = 0.0
+        self._tts_queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] | None = None
+        self._utterance_ids = 0
+        self._replies: dict[int, Reply] = {}
+        self._speculative: Reply | None = None
+        self._current: Reply | None = None
+        self._discarded = 0
+        self._barge_start_ms: float | None = None
+        self._audio_ready = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._down: set[str] = set()
+        self._tasks = [
+            asyncio.ensure_future(self._asr_loop()),
+            asyncio.ensure_future(self._tts_loop()),
+            asyncio.ensure_future(self._playout_loop()),
+        ]
+
+    # ---- input -----------------------------------------------------------------------------------------
+    def push_frame(self, frame: audio_pb2.AudioFrame) -> None:
+        now_us = epoch_us()
+        capture_us = frame.capture_time_us or now_us
+        self._receipt_us[capture_us] = now_us
+        while len(self._receipt_us) > 500:  # 10 s of frames: far more than an endpoint looks back
+            self._receipt_us.popitem(last=False)
+        self._audio_ms += len(frame.data) / 2 * 1000 / self.options.input_rate_hz
+        if self._asr_queue is not None:
+            forwarded = audio_pb2.AudioFrame()
+            forwarded.CopyFrom(frame)
+            forwarded.seq = self._asr_seq
+            forwarded.capture_time_us = capture_us
+            self._asr_seq += 1
+            self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(frame=forwarded))
+        if (
+            self._barge_start_ms is not None
+            and self._audio_ms - self._barge_start_ms >= self.pipeline.barge_in_min_speech_ms
+        ):
+            self._barge_start_ms = None
+            self._interrupt()
+
+    async def finish(self) -> None:
+        """The user's side ended: flush the ASR, let the last reply play out, then end the event stream."""
+        if self._asr_queue is not None:
+            self._asr_queue.put_nowait(None)
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._tasks[0], FINISH_TIMEOUT_S)
+            await asyncio.wait_for(self._idle.wait(), FINISH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("session did not finish in time", extra={"session_id": self.options.session_id})
+        self.events.put_nowait(None)
+
+    async def close(self) -> None:
+        self._closing = True
+        for reply in list(self._replies.values()):
+            self._cancel_reply(reply)
+        if self._tts_queue is not None:
+            self._tts_queue.put_nowait(None)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- ASR ---------------------------------------------------------------------------------------------
+    async def _asr_loop(self) -> None:
+        backoff = RECONNECT_BACKOFF_S[0]
+        while True:
+            queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] = asyncio.Queue()
+            config = asr_pb2.RecognitionConfig(
+                session_id=self.options.session_id,
+                sample_rate_hz=self.options.input_rate_hz,
+                interim_results=True,
+                endpointing=self.pipeline.endpointing,
+                decode_window=self.pipeline.asr_decode_window,
+                skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
+            )
+            try:
+                await self.backends.ready("asr")
+                call = self.backends.asr.StreamingRecognize(_drain(queue, asr_pb2.RecognizeRequest(config=config)))
+                self._asr_queue, self._asr_seq, self._asr_base_ms = queue, 0, self._audio_ms
+                self._recovered("asr")
+                async for event in call:
+                    backoff = RECONNECT_BACKOFF_S[0]
+                    self._on_asr(event)
+                return  # the input ended and the ASR flushed
+            except grpc.aio.AioRpcError as error:
+                self._asr_queue = None
+                if self._fatal_if_bad_request("asr", error) or self._closing:
+                    return
+                self._report("asr", error)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
+
+    def _on_asr(self, event: asr_pb2.RecognizeEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "speech_started":
+            if self.pipeline.barge_in and self._current is not None:
+                self._barge_start_ms = self._asr_base_ms + event.speech_start_ms
+        elif kind == "partial":
+            self._emit(user_partial=conversation_pb2.Transcript(text=event.partial.text, stable_prefix=event.partial.stable_prefix))
+        elif kind == "endpoint_candidate":
+            self._barge_start_ms = None
+            text = event.endpoint_candidate.text.strip()
+            if self.pipeline.speculative_start and text and self._current is None:
+                if self._speculative is not None:
+                    self._discard(self._speculative)
+                self._speculative = self._start_reply(text, speculative=True)
+        elif kind == "speech_resumed":
+            if self._speculative is not None:
+                self._discard(self._speculative)
+                self._speculative = None
+        elif kind == "final":
+            self._barge_start_ms = None
+            self._on_final(event)
+
+    def _on_final(self, event: asr_pb2.RecognizeEvent) -> None:
+        text = event.final.text.strip()
+        speculative, self._speculative = self._speculative, None
+        if not text or self._current is not None:
+            # Noise, or a short backchannel ("mm-hmm") over a reply that barge-in did not stop.
+            if speculative is not None:
+                self._discard(speculative)
+            return
+        self._emit(user_final=conversation_pb2.Transcript(text=text))
+        if speculative is not None and speculative.user_text == text and not speculative.cancelled:
+            reply = speculative
+        else:
+            if speculative is not None:
+                self._discard(speculative)
+            reply = self._start_reply(text, speculative=False)
+        committed_us = epoch_us()
+        capture_us = event.speech_end_capture_time_us
+        receipt_us = self._receipt_us.get(capture_us, committed_us)
+        capture_us = capture_us or receipt_us
+        metrics = reply.metrics
+        metrics.speech_end_capture_us = capture_us
+        metrics.upload_ms = (receipt_us - capture_us) / 1000
+        metrics.endpoint_ms = (committed_us - receipt_us) / 1000
+        metrics.asr.CopyFrom(event.timing)
+        metrics.speculative_used = reply.speculative
+        metrics.speculative_discarded = self._discarded
+        self._discarded = 0
+        reply.committed = True
+        reply.turn_index = self._turn
+        self._turn += 1
+        self.history.append(("user", text))
+        self._current = reply
+        self._idle.clear()
+        self.state = State.THINKING
+        if reply.text:
+            self._emit(reply_text=conversation_pb2.ReplyText(text_delta="".join(reply.text)), turn=reply.turn_index)
+        self._audio_ready.set()
+
+    # ---- replies -------------------------------------------------------------------------------------------
+    def _start_reply(self, user_text: str, speculative: bool) -> Reply:
+        self._utterance_ids += 1
+        reply = Reply(self._utterance_ids, user_text, speculative)
+        self._replies[reply.utterance_id] = reply
+        reply.llm_task = asyncio.ensure_future(self._generate(reply))
+        return reply
+
+    def _messages(self, user_text: str) -> list[llm_pb2.ChatMessage]:
+        messages = []
+        if self.options.system_prompt:
+            messages.append(llm_pb2.ChatMessage(role=llm_pb2.ROLE_SYSTEM, content=self.options.system_prompt))
+        messages += [llm_pb2.ChatMessage(role=ROLE[role], content=text) for role, text in self.history]
+        messages.append(llm_pb2.ChatMessage(role=llm_pb2.ROLE_USER, content=user_text))
+        return messages
+
+    async def _generate(self, reply: Reply) -> None:
+        request = llm_pb2.GenerateRequest(
+            session_id=self.options.session_id,
+            messages=self._messages(reply.user_text),
+            max_tokens=self.pipeline.max_tokens,
+        )
+        whole = self.pipeline.buffer_whole_reply
+        call = self.backends.llm.Generate(request)
+        first = True
+        try:
+            async for response in call:
+                if first:
+                    first = False
+                    reply.llm_queue_ms, reply.llm_ttft_ms, reply.replica = response.queue_ms, response.ttft_ms, response.replica
+                if response.text_delta:
+                    reply.text.append(response.text_delta)
+                    if reply.committed:
+                        self._emit(reply_text=conversation_pb2.ReplyText(text_delta=response.text_delta), turn=reply.turn_index)
+                    if not whole:
+                        self._tts_send(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=response.text_delta)))
+                if response.finish_reason:
+                    reply.usage.CopyFrom(response.usage)
+            full = "".join(reply.text).strip()
+            if whole and full:
+                self._tts_send(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=full)))
+            self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
+            reply.llm_done = True
+        except asyncio.CancelledError:
+            call.cancel()  # frees the LLM slot at once
+            raise
+        except grpc.aio.AioRpcError as error:
+            self._report("llm", error)
+            self._fail(reply)
+
+    def _tts_send(self, request: tts_pb2.SynthesizeRequest) -> None:
+        if self._tts_queue is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the TTS stream is down")
+        self._tts_queue.put_nowait(request)
+
+    def _discard(self, reply: Reply) -> None:
+        """A speculative reply was overtaken: never spoken, never in history."""
+        self._discarded += 1
+        self._cancel_reply(reply)
+
+    def _cancel_reply(self, reply: Reply) -> None:
+        if reply.cancelled:
+            return
+        reply.cancelled = True
+        reply.frames.clear()
+        if reply.llm_task is not None and not reply.llm_task.done():
+            reply.llm_task.cancel()
+        if not reply.tts_done and self._tts_queue is not None:
+            self._tts_queue.put_nowait(tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=reply.utterance_id)))
+        self._replies.pop(reply.utterance_id, None)
+
+    def _fail(self, reply: Reply) -> None:
+        """A stage failed mid-reply: the turn ends without (the rest of) its audio."""
+        self._cancel_reply(reply)
+        if reply is self._current:
+            self._end_turn(reply)
+
+    def _interrupt(self) -> None:
+        reply = self._current
+        if reply is None:
+            return
+        spoken = " ".join(reply.spoken_chunks)
+        self._cancel_reply(reply)
+        log.info("barge-in", extra={"session_id": self.options.session_id, "spoken": spoken})
+        self._emit(interrupted=conversation_pb2.Interrupted(spoken_text=spoken), turn=reply.turn_index)
+        self._end_turn(reply, spoken)
+
+    def _end_turn(self, reply: Reply, spoken: str | None = None) -> None:
+        """History gets what was said aloud; the turn's metrics go out; back to listening."""
+        text = " ".join(reply.spoken_chunks) if spoken is None else spoken
+        if text:
+            self.history.append(("assistant", text))
+        self._emit_metrics(reply)
+        self._current = None
+        self.state = State.LISTENING
+        self._idle.set()
+
+    # ---- TTS -----------------------------------------------------------------------------------------------
+    async def _tts_loop(self) -> None:
+        backoff = RECONNECT_BACKOFF_S[0]
+        config = tts_pb2.SynthesisConfig(
+            session_id=self.options.session_id,
+            voice=self.options.voice,
+            sample_rate_hz=self.options.output_rate_hz,
+            encoding=audio_pb2.AUDIO_ENCODING_PCM16LE,
+            chunking=self.pipeline.tts_chunking,
+            lookahead_words=self.pipeline.tts_lookahead_words,
+        )
+        while True:
+            queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] = asyncio.Queue()
+            try:
+                await self.backends.ready("tts")
+                call = self.backends.tts.StreamingSynthesize(_drain(queue, tts_pb2.SynthesizeRequest(config=config)))
+                self._tts_queue = queue
+                self._recovered("tts")
+                async for event in call:
+                    backoff = RECONNECT_BACKOFF_S[0]
+                    self._on_tts(event)
+                return
+            except grpc.aio.AioRpcError as error:
+                self._tts_queue = None
+                if self._fatal_if_bad_request("tts", error):
+                    return
+                self._report("tts", error)
+                for reply in list(self._replies.values()):  # their audio is lost with the stream
+                    self._fail(reply)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
+
+    def _on_tts(self, event: tts_pb2.SynthesizeEvent) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "audio":
+            reply = self._replies.get(event.audio.utterance_id)
+            if reply is None or reply.cancelled:
+                return
+            if not reply.first_frame_received_us:
+                reply.first_frame_received_us = epoch_us()
+                reply.tts_timing = event.audio.timing
+            reply.frames.append(event.audio)
+            self._audio_ready.set()
+        elif kind == "done":
+            reply = self._replies.get(event.done.utterance_id)
+            if reply is not None:
+                reply.tts_done = True
+                self._audio_ready.set()
+
+    # ---- playout -------------------------------------------------------------------------------------------
+    async def _playout_loop(self) -> None:
+        """Send the committed reply's frames at real-time pace (a short lead first), so barge-in is immediate."""
+        next_due = 0.0
+        while True:
+            await self._audio_ready.wait()
+            self._audio_ready.clear()
+            reply = self._current
+            if reply is None or not reply.committed or reply.cancelled:
+                continue
+            if self.pipeline.buffer_whole_reply and not reply.tts_done:
+                continue
+            while reply is self._current and reply.frames and not reply.cancelled:
+                now = time.monotonic()
+                if reply.frames_sent == 0:
+                    next_due = now - LEAD_FRAMES * FRAME_S
+                due = max(next_due, now - LEAD_FRAMES * FRAME_S)
+                if due > now:
+                    await asyncio.sleep(due - now)
+                    if reply is not self._current or reply.cancelled:
+                        break  # barge-in while waiting: stop within one frame
+                next_due = due + FRAME_S
+                frame = reply.frames.popleft()
+                self._send_audio(reply, frame)
+            if reply is self._current and not reply.cancelled and reply.tts_done and reply.llm_done and not reply.frames:
+                self._emit(reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index)
+                self._end_turn(reply)
+
+    def _send_audio(self, reply: Reply, speech: tts_pb2.SpeechFrame) -> None:
+        sent_us = epoch_us()
+        frame = audio_pb2.AudioFrame()
+        frame.CopyFrom(speech.frame)
+        frame.seq = reply.frames_sent
+        frame.capture_time_us = sent_us
+        if reply.frames_sent == 0:
+            reply.first_sent_us = sent_us
+            self.state = State.SPEAKING
+        reply.frames_sent += 1
+        if speech.chunk_end:
+            reply.spoken_chunks.append(speech.text)
+        self._emit(reply_audio=conversation_pb2.ReplyAudio(frame=frame, text=speech.text), turn=reply.turn_index)
+
+    # ---- events ----------------------------------------------------------------------------------------------
+    def _emit(self, turn: int | None = None, **event: object) -> None:
+        self.events.put_nowait(conversation_pb2.ConverseEvent(turn_index=self._turn if turn is None else turn, **event))
+
+    def _emit_metrics(self, reply: Reply) -> None:
+        metrics = reply.metrics
+        metrics.llm.queue_ms = reply.llm_queue_ms
+        metrics.llm.compute_ms = reply.llm_ttft_ms
+        if reply.tts_timing is not None:
+            metrics.tts.CopyFrom(reply.tts_timing)
+        metrics.llm_replica = reply.replica
+        metrics.prompt_tokens = reply.usage.prompt_tokens
+        metrics.cached_prompt_tokens = reply.usage.cached_prompt_tokens
+        metrics.completion_tokens = reply.usage.completion_tokens
+        metrics.reply_audio_ms = reply.frames_sent * 20
+        if reply.first_sent_us:
+            metrics.first_audio_sent_us = reply.first_sent_us
+            metrics.v2v_ms = (reply.first_sent_us - metrics.speech_end_capture_us) / 1000
+            metrics.gateway_ms = (reply.first_sent_us - reply.first_frame_received_us) / 1000
+        self._emit(metrics=metrics, turn=reply.turn_index)
+
+    def _report(self, stage: str, error: grpc.aio.AioRpcError) -> None:
+        if stage in self._down and stage != "llm":
+            return  # one error event per outage, not one per reconnect attempt
+        self._down.add(stage)
+        log.warning("backend failed", extra={"session_id": self.options.session_id, "stage": stage, "code": error.code().name})
+        self._emit(
+            error=conversation_pb2.SessionError(
+                stage=stage, code=error.code().name, message=f"{stage} service: {error.details()}", recoverable=True
+            )
+        )
+
+    def _recovered(self, stage: str) -> None:
+        if stage in self._down:
+            self._down.discard(stage)
+            log.info("backend back", extra={"session_id": self.options.session_id, "stage": stage})
+
+    def _fatal_if_bad_request(self, stage: str, error: grpc.aio.AioRpcError) -> bool:
+        """The backend refused the session's settings (e.g. an unknown voice): retrying cannot help."""
+        if error.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
+            return False
+        self._emit(error=conversation_pb2.SessionError(stage=stage, code=error.code().name, message=error.details(), recoverable=False))
+        self.events.put_nowait(RequestError(error.code(), f"{stage} service refused the session: {error.details()}"))
+        return True
+
+
+async def _drain(queue: asyncio.Queue[object], first: object) -> AsyncIterator[object]:
+    """Request iterator of a long-lived stream: `first`, then the queue until None."""
+    yield first
+    while True:
+        item = await queue.get()
+        if item is None:
+            return
+        yield item

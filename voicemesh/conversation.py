@@ -1,0 +1,304 @@
+"""Async client for the gateway's Conversation.Converse: typed events, reconnects with the same session id."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from voicemesh.audio import FRAME_MS, Clip
+from voicemesh.clients import epoch_us, paced, pcm_frame
+from voicemesh.serving import channel_options
+from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Started:
+    session_id: str
+    history_turns: int
+
+
+@dataclass(frozen=True)
+class UserTranscript:
+    turn_index: int
+    text: str
+    final: bool
+    stable_prefix: str = ""
+
+
+@dataclass(frozen=True)
+class ReplyText:
+    turn_index: int
+    text_delta: str
+
+
+@dataclass(frozen=True)
+class ReplyAudio:
+    turn_index: int
+    pcm16: bytes
+    sample_rate_hz: int
+    text: str
+    sent_us: int
+    received_us: int
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    turn_index: int
+    spoken_text: str
+
+
+@dataclass(frozen=True)
+class ReplyDone:
+    turn_index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class TurnMetrics:
+    turn_index: int
+    server: conversation_pb2.TurnMetrics
+    first_audio_received_us: int = 0
+
+    @property
+    def downlink_ms(self) -> float:
+        if not (self.first_audio_received_us and self.server.first_audio_sent_us):
+            return 0.0
+        return (self.first_audio_received_us - self.server.first_audio_sent_us) / 1000
+
+
+@dataclass(frozen=True)
+class SessionError:
+    turn_index: int
+    stage: str
+    code: str
+    message: str
+    recoverable: bool
+
+
+Event = Started | UserTranscript | ReplyText | ReplyAudio | Interrupted | ReplyDone | TurnMetrics | SessionError
+
+
+@dataclass
+class ConversationClient:
+    """One conversation with the gateway. `send` audio, iterate `events()`; `close` ends the user's side.
+
+    If the call drops (gateway restart, network), it reconnects with the same session id, so the gateway
+    continues the same history; audio sent while disconnected is lost, and a SessionError says so.
+    """
+
+    target: str
+    config: conversation_pb2.SessionConfig
+    reconnect_attempts: int = 5
+    _queue: asyncio.Queue[conversation_pb2.ConverseRequest | None] = field(default_factory=asyncio.Queue)
+    _seq: int = 0
+    _first_audio_us: dict[int, int] = field(default_factory=dict)
+    _channel: grpc.aio.Channel | None = None
+    _closed: bool = False
+
+    async def __aenter__(self) -> ConversationClient:
+        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    def send(self, pcm16: bytes) -> None:
+        """Queue one frame of PCM16 audio at the configured input rate (stamped with its capture time now)."""
+        self._queue.put_nowait(
+            conversation_pb2.ConverseRequest(frame=pcm_frame(pcm16, self.config.input_sample_rate_hz, self._seq))
+        )
+        self._seq += 1
+
+    def close(self) -> None:
+        """No more audio: the gateway finishes the last turn, then ends the event stream."""
+        self._closed = True
+        self._queue.put_nowait(None)
+
+    async def _requests(self) -> AsyncIterator[conversation_pb2.ConverseRequest]:
+        yield conversation_pb2.ConverseRequest(config=self.config)
+        while True:
+            item = await self._queue.get()
+            if item is None:
+                return
+            if item.WhichOneof("request") == "frame":
+                item.frame.seq = self._call_seq
+                self._call_seq += 1
+            yield item
+
+    async def events(self) -> AsyncIterator[Event]:
+        assert self._channel is not None, "use `async with ConversationClient(...)`"
+        stub = conversation_pb2_grpc.ConversationStub(self._channel)
+        attempts = 0
+        while True:
+            self._call_seq = 0  # seq restarts with each call
+            call = stub.Converse(self._requests())
+            try:
+                async for message in call:
+                    attempts = 0
+                    event = self._convert(message)
+                    if isinstance(event, Started):
+                        self.config.session_id = event.session_id  # reconnects continue this session
+                    yield event
+                return
+            except grpc.aio.AioRpcError as error:
+                retryable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+                if not retryable or self._closed or attempts >= self.reconnect_attempts:
+                    raise
+                attempts += 1
+                log.warning("conversation dropped; reconnecting", extra={"code": error.code().name})
+                yield SessionError(0, "gateway", error.code().name, f"reconnecting: {error.details()}", True)
+                await asyncio.sleep(0.2 * 2**attempts)
+
+    def _convert(self, message: conversation_pb2.ConverseEvent) -> Event:
+        turn = message.turn_index
+        kind = message.WhichOneof("event")
+        if kind == "started":
+            return Started(message.started.session_id, message.started.history_turns)
+        if kind in ("user_partial", "user_final"):
+            transcript = getattr(message, kind)
+            return UserTranscript(turn, transcript.text, kind == "user_final", transcript.stable_prefix)
+        if kind == "reply_text":
+            return ReplyText(turn, message.reply_text.text_delta)
+        if kind == "reply_audio":
+            now = epoch_us()
+            self._first_audio_us.setdefault(turn, now)
+            frame = message.reply_audio.frame
+            return ReplyAudio(turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now)
+        if kind == "interrupted":
+            return Interrupted(turn, message.interrupted.spoken_text)
+        if kind == "reply_done":
+            return ReplyDone(turn, message.reply_done.text)
+        if kind == "metrics":
+            return TurnMetrics(turn, message.metrics, self._first_audio_us.get(turn, 0))
+        error = message.error
+        return SessionError(turn, error.stage, error.code, error.message, error.recoverable)
+
+
+def speech_frames(frames: list[bytes], floor_dbfs: float = -45.0, below_peak_db: float = 35.0) -> list[bool]:
+    """Which 20 ms frames hold speech, by energy: the client's own view of where speech ends."""
+    rms = np.array([np.sqrt(np.mean((np.frombuffer(f, "<i2") / 32768.0) ** 2)) + 1e-12 for f in frames])
+    level = 20 * np.log10(rms)
+    threshold = max(floor_dbfs, level.max() - below_peak_db) if len(level) else floor_dbfs
+    return list(level > threshold)
+
+
+@dataclass
+class TalkTurn:
+    turn_index: int
+    user_text: str = ""
+    reply_text: str = ""
+    interrupted: bool = False
+    speech_end_sent_us: int = 0
+    first_audio_received_us: int = 0
+    metrics: TurnMetrics | None = None
+
+    @property
+    def v2v_ms(self) -> float | None:
+        if not (self.first_audio_received_us and self.speech_end_sent_us):
+            return None
+        return (self.first_audio_received_us - self.speech_end_sent_us) / 1000
+
+    def as_dict(self) -> dict[str, object]:
+        server = self.metrics.server if self.metrics else conversation_pb2.TurnMetrics()
+        return {
+            "turn": self.turn_index,
+            "user": self.user_text,
+            "reply": self.reply_text,
+            "interrupted": self.interrupted,
+            "v2v_ms": None if self.v2v_ms is None else round(self.v2v_ms, 1),
+            "stages_ms": {
+                "upload": round(server.upload_ms, 1),
+                "endpoint": round(server.endpoint_ms, 1),
+                "asr_queue": round(server.asr.queue_ms, 1),
+                "asr_compute": round(server.asr.compute_ms, 1),
+                "llm_queue": round(server.llm.queue_ms, 1),
+                "llm_first_token": round(server.llm.compute_ms, 1),
+                "tts_queue": round(server.tts.queue_ms, 1),
+                "tts_first_audio": round(server.tts.compute_ms, 1),
+                "gateway_hold": round(server.gateway_ms, 1),
+                "downlink": round(self.metrics.downlink_ms, 1) if self.metrics else 0.0,
+            },
+            "server_v2v_ms": round(server.v2v_ms, 1),
+            "speculative_used": server.speculative_used,
+            "speculative_discarded": server.speculative_discarded,
+            "llm_replica": server.llm_replica,
+            "prompt_tokens": server.prompt_tokens,
+            "cached_prompt_tokens": server.cached_prompt_tokens,
+            "completion_tokens": server.completion_tokens,
+        }
+
+
+async def talk(
+    target: str,
+    clip: Clip,
+    config: conversation_pb2.SessionConfig | None = None,
+    trailing_silence_s: float = 4.0,
+    inject: list[tuple[float, Clip]] | None = None,
+) -> tuple[list[TalkTurn], bytes, list[Event]]:
+    """Speak a clip to the gateway in real time, then silence; returns the turns, the reply audio, all events.
+
+    `inject` plays more clips at given offsets (seconds from the start), mixed into the stream: a user talking
+    over the reply, for barge-in tests.
+    """
+    cfg = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000)
+    if config is not None:
+        cfg.MergeFrom(config)
+    rate = cfg.input_sample_rate_hz
+    frames = clip.to_rate(rate).frames()
+    silence = b"\x00" * len(frames[0])
+    frames += [silence] * int(trailing_silence_s * 1000 / FRAME_MS)
+    for offset_s, extra in inject or []:
+        start = int(offset_s * 1000 / FRAME_MS)
+        for index, data in enumerate(extra.to_rate(rate).frames()):
+            while start + index >= len(frames):
+                frames.append(silence)
+            mixed = np.frombuffer(frames[start + index], "<i2").astype(np.int32) + np.frombuffer(data, "<i2")
+            frames[start + index] = np.clip(mixed, -32768, 32767).astype("<i2").tobytes()
+    is_speech = speech_frames(frames)
+    sent_us: list[int] = []
+    turns: dict[int, TalkTurn] = {}
+    audio = bytearray()
+    events: list[Event] = []
+    async with ConversationClient(target, cfg) as client:
+
+        async def stream() -> None:
+            async for _, data in paced(frames):
+                sent_us.append(epoch_us())
+                client.send(data)
+            client.close()
+
+        sender = asyncio.ensure_future(stream())
+        try:
+            async for event in client.events():
+                events.append(event)
+                turn = getattr(event, "turn_index", None)
+                if turn is None or isinstance(event, SessionError):
+                    continue
+                record = turns.setdefault(turn, TalkTurn(turn))
+                if isinstance(event, UserTranscript) and event.final:
+                    record.user_text = event.text
+                elif isinstance(event, ReplyText):
+                    record.reply_text += event.text_delta
+                elif isinstance(event, ReplyAudio):
+                    record.first_audio_received_us = record.first_audio_received_us or event.received_us
+                    audio += event.pcm16
+                elif isinstance(event, Interrupted):
+                    record.interrupted = True
+                elif isinstance(event, TurnMetrics):
+                    record.metrics = event
+                    # End of speech: the last frame with speech energy sent no later than where the server's
+                    # VAD put the end (background noise in the pause after it is not speech).
+                    limit = event.server.speech_end_capture_us + FRAME_MS * 1000
+                    spoken = [t for t, speech in zip(sent_us, is_speech, strict=False) if speech and t <= limit]
+                    record.speech_end_sent_us = spoken[-1] if spoken else event.server.speech_end_capture_us
+        finally:
+            sender.cancel()
+    return [turns[k] for k in sorted(turns) if turns[k].user_text], bytes(audio), events
