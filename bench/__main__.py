@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import services
+from bench import pipeline, services
 
 
 def main() -> None:
@@ -18,12 +18,7 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
         "services": services.run(),
     }
-    try:
-        from bench import pipeline
-
-        results["pipeline"] = pipeline.run()
-    except ImportError:
-        pass
+    results["pipeline_v2v"] = pipeline.run()
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -20,7 +20,9 @@ class Backends:
 
     def __post_init__(self) -> None:
         options = channel_options()
-        self._channels = [grpc.aio.insecure_channel(t, options=options) for t in (self.asr_target, self.llm_target, self.tts_target)]
+        self._channels = [
+            grpc.aio.insecure_channel(t, options=options) for t in (self.asr_target, self.llm_target, self.tts_target)
+        ]
         self.asr = asr_pb2_grpc.RecognizerStub(self._channels[0])
         self.llm = llm_pb2_grpc.GeneratorStub(self._channels[1])
         self.tts = tts_pb2_grpc.SynthesizerStub(self._channels[2])

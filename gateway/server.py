@@ -119,6 +119,7 @@ def build_server(settings: GatewaySettings) -> Server:
         [conversation_pb2.DESCRIPTOR.services_by_name["Conversation"].full_name],
         lambda server: conversation_pb2_grpc.add_ConversationServicer_to_server(servicer, server),
         load,
+        servicer,
     )
 
 

@@ -68,6 +68,10 @@ class Reply:
     first_frame_received_us: int = 0
     first_sent_us: int = 0
     metrics: conversation_pb2.TurnMetrics = field(default_factory=conversation_pb2.TurnMetrics)
+    timeline: dict[str, int] = field(default_factory=dict)  # milestone -> epoch us, logged at the end of the turn
+
+    def mark(self, milestone: str) -> None:
+        self.timeline.setdefault(milestone, epoch_us())
 
 
 class Session:
@@ -188,7 +192,11 @@ class Session:
             if self.pipeline.barge_in and self._current is not None:
                 self._barge_start_ms = self._asr_base_ms + event.speech_start_ms
         elif kind == "partial":
-            self._emit(user_partial=conversation_pb2.Transcript(text=event.partial.text, stable_prefix=event.partial.stable_prefix))
+            self._emit(
+                user_partial=conversation_pb2.Transcript(
+                    text=event.partial.text, stable_prefix=event.partial.stable_prefix
+                )
+            )
         elif kind == "endpoint_candidate":
             self._barge_start_ms = None
             text = event.endpoint_candidate.text.strip()
@@ -232,6 +240,7 @@ class Session:
         metrics.speculative_discarded = self._discarded
         self._discarded = 0
         reply.committed = True
+        reply.mark("committed")
         reply.turn_index = self._turn
         self._turn += 1
         self.history.append(("user", text))
@@ -246,6 +255,7 @@ class Session:
     def _start_reply(self, user_text: str, speculative: bool) -> Reply:
         self._utterance_ids += 1
         reply = Reply(self._utterance_ids, user_text, speculative)
+        reply.mark("reply_started")
         self._replies[reply.utterance_id] = reply
         reply.llm_task = asyncio.ensure_future(self._generate(reply))
         return reply
@@ -271,18 +281,33 @@ class Session:
             async for response in call:
                 if first:
                     first = False
-                    reply.llm_queue_ms, reply.llm_ttft_ms, reply.replica = response.queue_ms, response.ttft_ms, response.replica
+                    reply.mark("llm_first_delta")
+                    reply.llm_queue_ms, reply.llm_ttft_ms, reply.replica = (
+                        response.queue_ms,
+                        response.ttft_ms,
+                        response.replica,
+                    )
                 if response.text_delta:
                     reply.text.append(response.text_delta)
+                    if len(reply.text) <= 4:
+                        reply.mark(f"llm_delta_{len(reply.text)}")
                     if reply.committed:
-                        self._emit(reply_text=conversation_pb2.ReplyText(text_delta=response.text_delta), turn=reply.turn_index)
+                        self._emit(
+                            reply_text=conversation_pb2.ReplyText(text_delta=response.text_delta), turn=reply.turn_index
+                        )
                     if not whole:
-                        self._tts_send(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=response.text_delta)))
+                        self._tts_send(
+                            tts_pb2.SynthesizeRequest(
+                                text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=response.text_delta)
+                            )
+                        )
                 if response.finish_reason:
                     reply.usage.CopyFrom(response.usage)
             full = "".join(reply.text).strip()
             if whole and full:
-                self._tts_send(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=full)))
+                self._tts_send(
+                    tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=full))
+                )
             self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
             reply.llm_done = True
         except asyncio.CancelledError:
@@ -294,7 +319,9 @@ class Session:
 
     def _tts_send(self, request: tts_pb2.SynthesizeRequest) -> None:
         if self._tts_queue is None:
-            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the TTS stream is down")
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the TTS stream is down"
+            )
         self._tts_queue.put_nowait(request)
 
     def _discard(self, reply: Reply) -> None:
@@ -310,7 +337,9 @@ class Session:
         if reply.llm_task is not None and not reply.llm_task.done():
             reply.llm_task.cancel()
         if not reply.tts_done and self._tts_queue is not None:
-            self._tts_queue.put_nowait(tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=reply.utterance_id)))
+            self._tts_queue.put_nowait(
+                tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=reply.utterance_id))
+            )
         self._replies.pop(reply.utterance_id, None)
 
     def _fail(self, reply: Reply) -> None:
@@ -378,6 +407,7 @@ class Session:
             if reply is None or reply.cancelled:
                 return
             if not reply.first_frame_received_us:
+                reply.mark("tts_first_frame")
                 reply.first_frame_received_us = epoch_us()
                 reply.tts_timing = event.audio.timing
             reply.frames.append(event.audio)
@@ -412,8 +442,16 @@ class Session:
                 next_due = due + FRAME_S
                 frame = reply.frames.popleft()
                 self._send_audio(reply, frame)
-            if reply is self._current and not reply.cancelled and reply.tts_done and reply.llm_done and not reply.frames:
-                self._emit(reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index)
+            if (
+                reply is self._current
+                and not reply.cancelled
+                and reply.tts_done
+                and reply.llm_done
+                and not reply.frames
+            ):
+                self._emit(
+                    reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index
+                )
                 self._end_turn(reply)
 
     def _send_audio(self, reply: Reply, speech: tts_pb2.SpeechFrame) -> None:
@@ -423,6 +461,7 @@ class Session:
         frame.seq = reply.frames_sent
         frame.capture_time_us = sent_us
         if reply.frames_sent == 0:
+            reply.mark("first_audio_sent")
             reply.first_sent_us = sent_us
             self.state = State.SPEAKING
         reply.frames_sent += 1
@@ -450,12 +489,24 @@ class Session:
             metrics.v2v_ms = (reply.first_sent_us - metrics.speech_end_capture_us) / 1000
             metrics.gateway_ms = (reply.first_sent_us - reply.first_frame_received_us) / 1000
         self._emit(metrics=metrics, turn=reply.turn_index)
+        origin = metrics.speech_end_capture_us
+        log.info(
+            "turn",
+            extra={
+                "session_id": self.options.session_id,
+                "turn": reply.turn_index,
+                "v2v_ms": round(metrics.v2v_ms, 1),
+                "timeline_ms": {k: round((v - origin) / 1000, 1) for k, v in reply.timeline.items()},
+            },
+        )
 
     def _report(self, stage: str, error: grpc.aio.AioRpcError) -> None:
         if stage in self._down and stage != "llm":
             return  # one error event per outage, not one per reconnect attempt
         self._down.add(stage)
-        log.warning("backend failed", extra={"session_id": self.options.session_id, "stage": stage, "code": error.code().name})
+        log.warning(
+            "backend failed", extra={"session_id": self.options.session_id, "stage": stage, "code": error.code().name}
+        )
         self._emit(
             error=conversation_pb2.SessionError(
                 stage=stage, code=error.code().name, message=f"{stage} service: {error.details()}", recoverable=True
@@ -471,7 +522,11 @@ class Session:
         """The backend refused the session's settings (e.g. an unknown voice): retrying cannot help."""
         if error.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE):
             return False
-        self._emit(error=conversation_pb2.SessionError(stage=stage, code=error.code().name, message=error.details(), recoverable=False))
+        self._emit(
+            error=conversation_pb2.SessionError(
+                stage=stage, code=error.code().name, message=error.details(), recoverable=False
+            )
+        )
         self.events.put_nowait(RequestError(error.code(), f"{stage} service refused the session: {error.details()}"))
         return True
 

@@ -147,7 +147,9 @@ async def _talk(args: argparse.Namespace) -> int:
     from voicemesh.conversation import SessionError, talk
     from voicemesh.v1 import conversation_pb2
 
-    config = conversation_pb2.SessionConfig(session_id=args.session_id, input_sample_rate_hz=16000, output_sample_rate_hz=16000)
+    config = conversation_pb2.SessionConfig(
+        session_id=args.session_id, input_sample_rate_hz=16000, output_sample_rate_hz=16000
+    )
     turns, audio, events = await talk(args.target, read_wav(args.clip), config, trailing_silence_s=args.silence)
     for event in events:
         if isinstance(event, SessionError):
@@ -155,7 +157,9 @@ async def _talk(args: argparse.Namespace) -> int:
     if args.out:
         write_wav(args.out, audio, 16000)
     if args.json:
-        print(json.dumps({"turns": [t.as_dict() for t in turns], "reply_audio_s": round(len(audio) / 32000, 2)}, indent=2))
+        print(
+            json.dumps({"turns": [t.as_dict() for t in turns], "reply_audio_s": round(len(audio) / 32000, 2)}, indent=2)
+        )
         return 0
     for turn in turns:
         row = turn.as_dict()

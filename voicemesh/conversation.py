@@ -171,7 +171,9 @@ class ConversationClient:
             now = epoch_us()
             self._first_audio_us.setdefault(turn, now)
             frame = message.reply_audio.frame
-            return ReplyAudio(turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now)
+            return ReplyAudio(
+                turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now
+            )
         if kind == "interrupted":
             return Interrupted(turn, message.interrupted.spoken_text)
         if kind == "reply_done":

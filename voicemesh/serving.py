@@ -73,8 +73,10 @@ class Server:
         service_names: Sequence[str],
         register: Callable[[grpc.aio.Server], None],
         load: Callable[[], Awaitable[None]] | None = None,
+        servicer: object = None,
     ) -> None:
         self.settings = settings
+        self.servicer = servicer  # for in-process tests and embedding
         self.service_names = list(service_names)
         self._register = register
         self._load = load

@@ -59,6 +59,7 @@ class LlamaCppEngine:
         self,
         model_path: Path,
         n_threads: int = 2,
+        n_threads_batch: int = 2,
         slots: int = 1,
         n_ctx: int = 2048,
         saved_sessions: int = 64,
@@ -67,6 +68,7 @@ class LlamaCppEngine:
         self.model_path = model_path
         self.model_name = model_path.stem
         self.n_threads = n_threads
+        self.n_threads_batch = n_threads_batch
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(streaming=True, prefix_cache=True, max_concurrency=slots)
@@ -88,7 +90,7 @@ class LlamaCppEngine:
             model_path=str(self.model_path),
             n_ctx=self.n_ctx,
             n_threads=self.n_threads,
-            n_threads_batch=self.n_threads,
+            n_threads_batch=self.n_threads_batch,
             n_batch=512,
             verbose=False,
         )

@@ -13,10 +13,12 @@ DEFAULT_PERSONA = (
 
 # A few turns in the target style: they steer a base model far better than instructions do.
 FEW_SHOT = (
-    ("user", "Hi, can you hear me?"),
-    ("assistant", "Yes, I can hear you clearly. How can I help?"),
+    ("user", "I just got back from a long walk by the river."),
+    ("assistant", "That sounds lovely. Was it busy out there today?"),
     ("user", "What is the capital of France?"),
     ("assistant", "The capital of France is Paris."),
+    ("user", "My phone battery keeps dying."),
+    ("assistant", "That is annoying. Try lowering the screen brightness and closing apps you are not using."),
 )
 
 

@@ -33,8 +33,9 @@ class LlmSettings(config.ServerSettings):
     engine: str = config.setting("llama_cpp", "llama_cpp (embedded CPU default) or vllm")
     model_path: str = config.setting("", "GGUF file for llama_cpp; empty = Gemma 3 270M Q4_K_M from its package")
     n_threads: int = config.setting(
-        2, "llama.cpp threads; 2 = this machine's cores (it slows sharply when oversubscribed)"
+        2, "llama.cpp threads for token generation (it slows sharply when the cores are oversubscribed)"
     )
+    n_threads_batch: int = config.setting(2, "llama.cpp threads for prompt prefill (time to first token)")
     slots: int = config.setting(1, "llama.cpp requests served at once (one model copy each); more wait in line")
     n_ctx: int = config.setting(2048, "context window in tokens")
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
@@ -83,7 +84,13 @@ def build_engine(settings: LlmSettings) -> Engine:
         from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 
         path = Path(settings.model_path) if settings.model_path else default_model_path()
-        return LlamaCppEngine(path, n_threads=settings.n_threads, slots=settings.slots, n_ctx=settings.n_ctx)
+        return LlamaCppEngine(
+            path,
+            n_threads=settings.n_threads,
+            n_threads_batch=settings.n_threads_batch,
+            slots=settings.slots,
+            n_ctx=settings.n_ctx,
+        )
     raise SystemExit(f"engine={settings.engine!r} unknown; use llama_cpp")
 
 

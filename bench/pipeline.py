@@ -1,0 +1,153 @@
+"""Voice-to-voice latency of the whole mesh, three pipelines side by side in one run (same clips, same models):
+
+  (a) naive:    wait for 200 ms of trailing silence, transcribe the whole clip with a 30 s window, generate the
+                whole reply, synthesize the whole reply, then send;
+  (b) sentence: the same endpointing and ASR, but LLM deltas stream into TTS per sentence, audio streams out;
+  (c) all on:   speculative start at the first silence, trimmed ASR window, word chunking (k=2), streaming.
+
+V2V per turn = first reply audio frame received by the client - send time of the clip's last speech frame.
+Modes are interleaved round by round so drift in machine load hits all alike. `python -m bench.pipeline`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from voicemesh.audio import read_wav
+from voicemesh.conversation import talk
+from voicemesh.mesh import Mesh
+from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIPS = ROOT.parent / "shared" / "audio"
+DEFAULT_CLIPS = ("spk1_snt1", "spk2_snt1", "wizard", "horizon")
+NAIVE_ENDPOINTING = asr_pb2.EndpointingConfig(candidate_silence_ms=200, hangover_ms=200)
+
+MODES = {
+    "a_naive": conversation_pb2.PipelineOptions(
+        speculative_start=False,
+        tts_chunking=tts_pb2.CHUNKING_POLICY_WHOLE,
+        asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
+        buffer_whole_reply=True,
+        endpointing=NAIVE_ENDPOINTING,
+    ),
+    "b_sentence": conversation_pb2.PipelineOptions(
+        speculative_start=False,
+        tts_chunking=tts_pb2.CHUNKING_POLICY_SENTENCE,
+        asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
+        endpointing=NAIVE_ENDPOINTING,
+    ),
+    "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return round(ordered[index], 1)
+
+
+async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> dict[str, object] | None:
+    config = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000, options=options)
+    turns, _, _ = await talk(target, read_wav(CLIPS / f"{clip_name}.wav"), config, trailing_silence_s=2.5)
+    if not turns or turns[0].v2v_ms is None:
+        return None
+    row = turns[0].as_dict()
+    row["clip"] = clip_name
+    return row
+
+
+async def measure(target: str, modes: list[str], clips: list[str], rounds: int) -> dict[str, object]:
+    rows: dict[str, list[dict[str, object]]] = {mode: [] for mode in modes}
+    failed: dict[str, int] = dict.fromkeys(modes, 0)
+    for _ in range(rounds):
+        for clip in clips:
+            for mode in modes:
+                row = await _turn(target, clip, MODES[mode])
+                if row is None:
+                    failed[mode] += 1
+                else:
+                    rows[mode].append(row)
+    summary: dict[str, object] = {}
+    for mode in modes:
+        v2v = [float(r["v2v_ms"]) for r in rows[mode]]  # type: ignore[arg-type]
+        stages = (
+            {
+                key: round(statistics.median(float(r["stages_ms"][key]) for r in rows[mode]), 1)  # type: ignore[index]
+                for key in rows[mode][0]["stages_ms"]  # type: ignore[union-attr]
+            }
+            if rows[mode]
+            else {}
+        )
+        summary[mode] = {
+            "turns": len(v2v),
+            "failed_turns": failed[mode],
+            "v2v_p50_ms": _percentile(v2v, 50) if v2v else None,
+            "v2v_p95_ms": _percentile(v2v, 95) if v2v else None,
+            "v2v_max_ms": max(v2v) if v2v else None,
+            "stage_medians_ms": stages,
+            "speculative_used": sum(1 for r in rows[mode] if r["speculative_used"]),
+            "speculative_discarded": sum(int(r["speculative_discarded"]) for r in rows[mode]),  # type: ignore[arg-type]
+            "completion_tokens_median": statistics.median(int(r["completion_tokens"]) for r in rows[mode])
+            if rows[mode]
+            else None,  # type: ignore[arg-type]
+        }
+    if "a_naive" in summary and "c_all_on" in summary:
+        a, c = summary["a_naive"]["v2v_p50_ms"], summary["c_all_on"]["v2v_p50_ms"]  # type: ignore[index]
+        summary["ratio_p50_naive_over_all_on"] = round(a / c, 2) if a and c else None
+    summary["per_turn"] = rows
+    return summary
+
+
+def run(
+    modes: list[str] | None = None, clips: list[str] | None = None, rounds: int = 3, target: str = ""
+) -> dict[str, object]:
+    modes = modes or list(MODES)
+    clips = [c for c in (clips or DEFAULT_CLIPS) if (CLIPS / f"{c}.wav").exists()]
+    if not clips:
+        return {"skipped": f"no clips under {CLIPS}"}
+    if target:
+        return asyncio.run(measure(target, modes, clips, rounds))
+    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-bench-"))
+    ports = {name: _free_port() for name in ("asr", "llm", "tts", "gateway")}
+    for name in ("asr", "llm", "tts"):
+        mesh.start(name, ports[name])
+    mesh.start("gateway", ports["gateway"], [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")])
+    try:
+        asyncio.run(mesh.wait())
+        return asyncio.run(measure(f"127.0.0.1:{ports['gateway']}", modes, clips, rounds))
+    finally:
+        mesh.stop_all()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--clips", default=",".join(DEFAULT_CLIPS))
+    parser.add_argument("--rounds", type=int, default=3, help="each clip is spoken this many times per mode")
+    parser.add_argument("--target", default="", help="an already running gateway instead of a fresh mesh")
+    parser.add_argument("--per-turn", action="store_true", help="include every turn in the output")
+    args = parser.parse_args()
+    result = run(args.modes.split(","), args.clips.split(","), args.rounds, args.target)
+    if not args.per_turn:
+        result.pop("per_turn", None)
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

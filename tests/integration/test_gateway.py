@@ -1,0 +1,206 @@
+"""The conversation pipeline end to end: real ASR, LLM and TTS processes, the gateway on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from gateway.server import GatewaySettings, build_server
+from tests.conftest import free_port, load_clip
+from tests.integration.helpers import expect_error, requests
+from voicemesh import clients
+from voicemesh.audio import Clip, pcm16_to_float
+from voicemesh.clients import pcm_frame
+from voicemesh.conversation import Interrupted, ReplyAudio, ReplyText, SessionError, TurnMetrics, UserTranscript, talk
+from voicemesh.mesh import Mesh
+from voicemesh.v1 import asr_pb2, conversation_pb2, conversation_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+
+async def start_gateway(asr: str, llm: str, tts: str):
+    server = build_server(GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, drain_grace_s=1))
+    await server.start()
+    return server
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def gateway(services: dict[str, str]):
+    server = await start_gateway(services["asr"], services["llm"], services["tts"])
+    yield server
+    await server.stop()
+
+
+def target(server) -> str:
+    return f"127.0.0.1:{server.port}"
+
+
+def join(*parts: Clip | float) -> Clip:
+    """Clips and seconds of silence, one after another, at 16 kHz."""
+    pieces = [np.zeros(int(p * 16000), np.float32) if isinstance(p, float) else p.to_rate(16000).samples for p in parts]
+    return Clip(np.concatenate(pieces), 16000)
+
+
+async def transcribe(services: dict[str, str], pcm: bytes) -> str:
+    audio = Clip(pcm16_to_float(pcm), 16000)
+    events = [e async for _, e in clients.recognize(services["asr"], audio, realtime=False)]
+    return " ".join(e.final.text for e in events if e.WhichOneof("event") == "final")
+
+
+async def test_a_spoken_question_gets_a_spoken_reply_with_a_complete_turn_metric(services, gateway) -> None:
+    turns, audio, events = await talk(target(gateway), load_clip("spk1_snt1"), trailing_silence_s=2.0)
+    assert len(turns) == 1
+    turn = turns[0]
+    assert "child" in turn.user_text.lower()
+    assert turn.reply_text and turn.v2v_ms is not None and turn.v2v_ms > 0
+    assert len(audio) > 16000  # more than half a second of reply
+    heard = await transcribe(services, audio)
+    assert heard.strip(), "the reply audio, transcribed by the ASR service, says something"
+    metrics = turn.metrics.server
+    assert metrics.v2v_ms > 0 and metrics.endpoint_ms > 0 and metrics.upload_ms >= 0
+    assert metrics.asr.compute_ms > 0 and metrics.llm.compute_ms > 0 and metrics.tts.compute_ms > 0
+    assert metrics.first_audio_sent_us > metrics.speech_end_capture_us > 0
+    assert metrics.llm_replica and metrics.completion_tokens > 0 and metrics.reply_audio_ms > 0
+    assert turn.metrics.downlink_ms >= 0
+    # The stages that run one after another fit inside the gateway's V2V.
+    assert metrics.llm.compute_ms + metrics.tts.compute_ms < metrics.v2v_ms
+    assert not any(isinstance(e, SessionError) for e in events)
+
+
+async def test_two_turns_share_history_and_the_prefix_cache(gateway) -> None:
+    clip = join(load_clip("spk2_snt1"), 5.0, load_clip("horizon"))
+    turns, _, events = await talk(target(gateway), clip, trailing_silence_s=3.0)
+    assert len(turns) == 2, [t.user_text for t in turns]
+    first, second = (t.metrics.server for t in turns)
+    # The second prompt contains the whole first exchange, and all of it came from the KV cache.
+    assert second.prompt_tokens > first.prompt_tokens
+    assert second.cached_prompt_tokens >= first.prompt_tokens
+    session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
+    history = gateway.servicer.histories.get(session_id)
+    assert [role for role, _ in history] == ["user", "assistant", "user", "assistant"]
+
+
+async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(gateway) -> None:
+    question = load_clip("spk1_snt1")
+    # The user talks over the reply ~1.2 s after their question ended.
+    offset = question.duration_s + 1.2
+    config = conversation_pb2.SessionConfig(
+        system_prompt="A talkative assistant who always answers with three long sentences.",
+        options=conversation_pb2.PipelineOptions(max_tokens=120),
+    )
+    turns, _, events = await talk(
+        target(gateway), question, config, trailing_silence_s=5.0, inject=[(offset, load_clip("wizard"))]
+    )
+    interrupted = [i for i, e in enumerate(events) if isinstance(e, Interrupted)]
+    assert interrupted, "speech over the reply interrupts it"
+    index = interrupted[0]
+    event = events[index]
+    turn = event.turn_index
+    assert not any(isinstance(e, ReplyAudio) and e.turn_index == turn for e in events[index:]), "no audio after"
+    reply_text = "".join(e.text_delta for e in events if isinstance(e, ReplyText) and e.turn_index == turn)
+    spoken = event.spoken_text
+    assert len(spoken) < len(reply_text), "the reply was cut short"
+    session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
+    history = gateway.servicer.histories.get(session_id)
+    said = [text for role, text in history if role == "assistant"]
+    assert said[0] == spoken if spoken else all(spoken not in s for s in said)
+    assert any("wizard" in t.user_text.lower() for t in turns), "the interruption became the next turn"
+
+
+async def test_a_pause_mid_sentence_never_speaks_the_speculative_reply(gateway) -> None:
+    """jfk.wav pauses ~1.1 s after "Americans": a speculative reply starts there and must be discarded."""
+    config = conversation_pb2.SessionConfig(
+        options=conversation_pb2.PipelineOptions(
+            endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=64, hangover_ms=1500)
+        )
+    )
+    turns, _, events = await talk(target(gateway), load_clip("jfk"), config, trailing_silence_s=3.0)
+    assert len(turns) == 1
+    final_at = next(i for i, e in enumerate(events) if isinstance(e, UserTranscript) and e.final)
+    assert not any(isinstance(e, ReplyText | ReplyAudio) for e in events[:final_at]), "nothing spoken before the commit"
+    assert "country" in turns[0].user_text.lower() and "americans" in turns[0].user_text.lower()
+    metrics = [e for e in events if isinstance(e, TurnMetrics)]
+    assert metrics[0].server.speculative_discarded >= 1
+
+
+def _config(**fields: object) -> conversation_pb2.ConverseRequest:
+    base: dict[str, object] = {"input_sample_rate_hz": 16000}
+    base.update(fields)
+    return conversation_pb2.ConverseRequest(config=conversation_pb2.SessionConfig(**base))
+
+
+def _frame(seq: int, data: bytes = b"\x00\x00" * 320) -> conversation_pb2.ConverseRequest:
+    return conversation_pb2.ConverseRequest(frame=pcm_frame(data, 16000, seq))
+
+
+@pytest.mark.parametrize(
+    ("messages", "code", "words"),
+    [
+        ([_config(input_sample_rate_hz=44100)], grpc.StatusCode.INVALID_ARGUMENT, ("input_sample_rate_hz=44100",)),
+        ([_config(output_sample_rate_hz=8000)], grpc.StatusCode.INVALID_ARGUMENT, ("output_sample_rate_hz=8000",)),
+        ([_frame(0)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "SessionConfig")),
+        ([_config(), _frame(0), _config()], grpc.StatusCode.FAILED_PRECONDITION, ("second SessionConfig",)),
+        ([_config(), _frame(0, b"\x00" * 3)], grpc.StatusCode.INVALID_ARGUMENT, ("odd",)),
+        ([_config(), _frame(0), _frame(2)], grpc.StatusCode.OUT_OF_RANGE, ("1 frame(s) missing",)),
+        (
+            [_config(options=conversation_pb2.PipelineOptions(max_tokens=9999))],
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("options.max_tokens=9999",),
+        ),
+        ([_config(session_id="x" * 200)], grpc.StatusCode.INVALID_ARGUMENT, ("session_id",)),
+        (
+            [_config(voice="nobody"), *[_frame(i) for i in range(20)]],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("tts", "voice='nobody'"),
+        ),
+    ],
+)
+async def test_bad_input_gets_a_clear_status(gateway, messages, code, words) -> None:
+    async with grpc.aio.insecure_channel(target(gateway)) as channel:
+        call = conversation_pb2_grpc.ConversationStub(channel).Converse(requests(*messages))
+        await expect_error(call, code, *words)
+
+
+async def test_a_bad_session_does_not_disturb_a_good_one(gateway) -> None:
+    good = asyncio.ensure_future(talk(target(gateway), load_clip("spk2_snt1"), trailing_silence_s=2.0))
+    async with grpc.aio.insecure_channel(target(gateway)) as channel:
+        stub = conversation_pb2_grpc.ConversationStub(channel)
+        for _ in range(3):
+            await expect_error(stub.Converse(requests(_config(), _frame(0, b"\x01"))), grpc.StatusCode.INVALID_ARGUMENT)
+            call = stub.Converse(requests(_config(), *[_frame(i) for i in range(30)]))
+            call.cancel()
+    turns, audio, _ = await good
+    assert turns and turns[0].reply_text and audio
+
+
+async def test_tts_killed_and_restarted_mid_session(services) -> None:
+    """The session reports the TTS stage failing, then speaks again once TTS is back, without a restart."""
+    mesh = Mesh()
+    tts = mesh.start("tts", free_port())
+    await mesh.wait()
+    server = await start_gateway(services["asr"], services["llm"], tts.target)
+    question = load_clip("spk2_snt1")
+    clip = join(question, 4.0, question, 6.0, question)
+    try:
+
+        async def chaos() -> None:
+            await asyncio.sleep(question.duration_s + 3.0)  # after the first reply
+            mesh.kill("tts")
+            await asyncio.sleep(question.duration_s + 3.0)  # the second turn meets a dead TTS
+            mesh.restart("tts")
+
+        chaos_task = asyncio.ensure_future(chaos())
+        turns, _, events = await talk(target(server), clip, trailing_silence_s=5.0)
+        await chaos_task
+        errors = [e for e in events if isinstance(e, SessionError)]
+        assert any(e.stage == "tts" and e.recoverable for e in errors), errors
+        assert len(turns) == 3
+        audio_turns = {e.turn_index for e in events if isinstance(e, ReplyAudio)}
+        assert turns[0].turn_index in audio_turns and turns[2].turn_index in audio_turns
+    finally:
+        await server.stop()
+        mesh.stop_all()
