@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
@@ -20,9 +21,12 @@ async def expect_error(call: AsyncIterator[object], code: grpc.StatusCode, *word
     raise AssertionError(f"call ended without the expected {code.name}")
 
 
-async def requests(*messages: object) -> AsyncIterator[object]:
+async def requests(*messages: object, hold: bool = False) -> AsyncIterator[object]:
+    """Send `messages`; with `hold`, keep the stream open afterwards (the server ends the call)."""
     for message in messages:
         yield message
+    if hold:
+        await asyncio.Event().wait()
 
 
 async def requests_from(messages: Iterable[object]) -> AsyncIterator[object]:
