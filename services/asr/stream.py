@@ -54,10 +54,12 @@ class RecognitionStream:
         self._frame_capture_us: list[int] = []
         self.turn_index = 0
         self._stabilizer = LocalAgreement()
+        self._loudness = Loudness()
         self._last_partial_ms = 0
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
         self._draft_offset_ms = 0
+        self._draft_end_ms = 0
         self._candidate_emitted = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -73,7 +75,7 @@ class RecognitionStream:
         self._pending = np.concatenate([self._pending, samples])
         while len(self._pending) >= WINDOW_SAMPLES:
             window, self._pending = self._pending[:WINDOW_SAMPLES], self._pending[WINDOW_SAMPLES:]
-            self._on_vad(self._endpointer.push(self._vad.probability(window)))
+            self._on_vad(self._endpointer.push(self._vad.probability(window), self._loudness.quiet(window)))
         self._maybe_partial()
         self._trim_audio()
 
@@ -93,7 +95,7 @@ class RecognitionStream:
         elif event is Event.SILENCE_STARTED:
             self._start_draft()
         elif event is Event.ENDPOINT_CANDIDATE:
-            if self._draft is None:
+            if self._draft_is_stale():
                 self._start_draft()
             self._announce_candidate()
         elif event is Event.SPEECH_RESUMED:
@@ -102,7 +104,7 @@ class RecognitionStream:
                 self._candidate_emitted = False
                 self._send(speech_resumed=asr_pb2.SpeechResumed())
         elif event is Event.END_OF_TURN:
-            if self._draft is None:
+            if self._draft_is_stale():
                 self._start_draft()
             self._commit()
 
@@ -111,6 +113,10 @@ class RecognitionStream:
         """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds."""
         start = max(self._audio_start, (self._endpointer.speech_start_ms - PREROLL_MS) * SAMPLE_RATE_HZ // 1000)
         return self._audio[start - self._audio_start :].copy(), start * 1000 // SAMPLE_RATE_HZ
+
+    def _draft_is_stale(self) -> bool:
+        """No draft, or voice (even a blip too short to resume the turn) came after its audio ended."""
+        return self._draft is None or self._endpointer.last_voiced_ms > self._draft_end_ms
 
     def _start_draft(self) -> None:
         """Final decode of the turn so far, started at the first silent window so it is ready at the endpoint.
@@ -129,6 +135,7 @@ class RecognitionStream:
         )
         self._draft = draft
         self._draft_offset_ms = offset_ms
+        self._draft_end_ms = self._endpointer.now_ms
         self._candidate_emitted = False
         self._last_partial_ms = self._endpointer.now_ms
         turn = self.turn_index
@@ -277,6 +284,25 @@ class RecognitionStream:
     def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+
+class Loudness:
+    """Tracks the speaker's level; a window 35 dB under it (or under -55 dBFS) is quiet, whatever the VAD says.
+
+    The level decays slowly (about 6 dB per second) so a louder earlier turn does not mute a softer one.
+    """
+
+    QUIET_BELOW_DB = 35.0
+    FLOOR_DBFS = -55.0
+    DECAY_DB_PER_WINDOW = 0.2
+
+    def __init__(self) -> None:
+        self.level_dbfs = -120.0
+
+    def quiet(self, window: np.ndarray) -> bool:
+        dbfs = 10 * float(np.log10(np.mean(window.astype(np.float64) ** 2) + 1e-12))
+        self.level_dbfs = max(dbfs, self.level_dbfs - self.DECAY_DB_PER_WINDOW)
+        return dbfs < max(self.FLOOR_DBFS, self.level_dbfs - self.QUIET_BELOW_DB)
 
 
 def _words(transcript: Transcript, offset_ms: int) -> list[asr_pb2.Word]:

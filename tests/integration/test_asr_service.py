@@ -34,7 +34,7 @@ async def test_clips_streamed_in_real_time_are_transcribed_within_wer_015(servic
         for _, event in events:
             if event.WhichOneof("event") == "final":
                 assert event.timing.compute_ms > 0
-                assert event.final.words, "finals carry word timings by default"
+                assert event.final.words or not event.final.text, "finals carry word timings by default"
                 assert event.speech_end_capture_time_us > 0
 
 
