@@ -45,7 +45,6 @@ class Endpointer:
         self.now_ms = 0
         self.speech_start_ms = 0
         self.speech_end_ms = 0
-        self.last_voiced_ms = 0  # end of the last window judged speech, blips included
 
     def push(self, probability: float, quiet: bool = False) -> Event | None:
         """Advance one window; returns the event it caused, if any.
@@ -66,7 +65,6 @@ class Endpointer:
         self._speaking = is_speech
 
         if is_speech:
-            self.last_voiced_ms = self.now_ms
             self._speech_run_ms += self.window_ms
             if not self.in_turn:
                 if self._speech_run_ms >= self.policy.min_speech_ms:
@@ -76,21 +74,17 @@ class Endpointer:
                     self.speech_end_ms = self.now_ms
                     return Event.SPEECH_STARTED
                 return None
-            if self._silence_ms == 0 or self._speech_run_ms >= self.policy.min_speech_ms:
-                self._silence_ms = 0
-                self.speech_end_ms = self.now_ms
-                if self.candidate:
-                    self.candidate = False
-                    return Event.SPEECH_RESUMED
-                return None
-            # A blip inside a pause (a click, a breath) does not restart the hangover: time goes on counting.
-            return self._silence(reset_run=False)
+            self._silence_ms = 0
+            self.speech_end_ms = self.now_ms
+            if self.candidate and self._speech_run_ms >= self.policy.min_speech_ms:
+                self.candidate = False
+                return Event.SPEECH_RESUMED
+            return None
 
-        return self._silence(reset_run=True)
+        return self._silence()
 
-    def _silence(self, reset_run: bool) -> Event | None:
-        if reset_run:
-            self._speech_run_ms = 0
+    def _silence(self) -> Event | None:
+        self._speech_run_ms = 0
         if not self.in_turn:
             return None
         self._silence_ms += self.window_ms

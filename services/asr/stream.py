@@ -59,7 +59,6 @@ class RecognitionStream:
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
         self._draft_offset_ms = 0
-        self._draft_end_ms = 0
         self._candidate_emitted = False
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -95,7 +94,7 @@ class RecognitionStream:
         elif event is Event.SILENCE_STARTED:
             self._start_draft()
         elif event is Event.ENDPOINT_CANDIDATE:
-            if self._draft_is_stale():
+            if self._draft is None:
                 self._start_draft()
             self._announce_candidate()
         elif event is Event.SPEECH_RESUMED:
@@ -104,7 +103,7 @@ class RecognitionStream:
                 self._candidate_emitted = False
                 self._send(speech_resumed=asr_pb2.SpeechResumed())
         elif event is Event.END_OF_TURN:
-            if self._draft_is_stale():
+            if self._draft is None:
                 self._start_draft()
             self._commit()
 
@@ -113,10 +112,6 @@ class RecognitionStream:
         """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds."""
         start = max(self._audio_start, (self._endpointer.speech_start_ms - PREROLL_MS) * SAMPLE_RATE_HZ // 1000)
         return self._audio[start - self._audio_start :].copy(), start * 1000 // SAMPLE_RATE_HZ
-
-    def _draft_is_stale(self) -> bool:
-        """No draft, or voice (even a blip too short to resume the turn) came after its audio ended."""
-        return self._draft is None or self._endpointer.last_voiced_ms > self._draft_end_ms
 
     def _start_draft(self) -> None:
         """Final decode of the turn so far, started at the first silent window so it is ready at the endpoint.
@@ -135,7 +130,6 @@ class RecognitionStream:
         )
         self._draft = draft
         self._draft_offset_ms = offset_ms
-        self._draft_end_ms = self._endpointer.now_ms
         self._candidate_emitted = False
         self._last_partial_ms = self._endpointer.now_ms
         turn = self.turn_index

@@ -54,13 +54,6 @@ def test_speech_start_is_backdated_to_the_first_speech_window() -> None:
     assert endpointer.in_turn and endpointer.speech_start_ms == 96
 
 
-def test_a_blip_inside_a_pause_does_not_restart_the_hangover() -> None:
-    steady = run([0.9] * 10 + [0.0] * 12)
-    blip = run([0.9] * 10 + [0.0] * 4 + [0.9] + [0.0] * 7)
-    assert steady[-1][1] is Event.END_OF_TURN and blip[-1][1] is Event.END_OF_TURN
-    assert blip[-1][0] == steady[-1][0]
-
-
 def test_quiet_windows_end_speech_even_when_the_vad_lags() -> None:
     endpointer = Endpointer(EndpointingPolicy(), window_ms=32)
     for _ in range(10):
