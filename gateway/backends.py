@@ -1,36 +1,154 @@
-"""Persistent channels from the gateway to the ASR, LLM and TTS services: one each, shared by all sessions."""
+"""The gateway's view of the ASR, LLM and TTS replicas: long-lived channels, health, and which one to call.
+
+LLM calls of a session go to the first healthy replica of its rendezvous ranking (its prefix/KV cache lives
+there); a replica that refuses (RESOURCE_EXHAUSTED) or is unreachable hands the call to the next in the
+ranking. ASR and TTS are stateless per call: the healthy replica with the fewest streams from this gateway.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from voicemesh.routing import ReplicaSet
 from voicemesh.serving import channel_options
-from voicemesh.v1 import asr_pb2_grpc, llm_pb2_grpc, tts_pb2_grpc
+from voicemesh.v1 import asr_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RETRY_ELSEWHERE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+HEALTH_TIMEOUT_S = 1.0
 
 
-@dataclass
 class Backends:
-    """Stubs over long-lived channels; gRPC reconnects them by itself after a service restart."""
+    """Replica sets and one channel per replica, shared by every session of this gateway."""
 
-    asr_target: str
-    llm_target: str
-    tts_target: str
+    def __init__(
+        self, asr_spec: str, llm_spec: str, tts_spec: str, refresh_s: float = 10.0, health_interval_s: float = 2.0
+    ) -> None:
+        self.sets = {
+            "asr": ReplicaSet(asr_spec, refresh_s),
+            "llm": ReplicaSet(llm_spec, refresh_s),
+            "tts": ReplicaSet(tts_spec, refresh_s),
+        }
+        self.refresh_s = refresh_s
+        self.health_interval_s = health_interval_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._maintenance: asyncio.Task[None] | None = None
 
-    def __post_init__(self) -> None:
-        options = channel_options()
-        self._channels = [
-            grpc.aio.insecure_channel(t, options=options) for t in (self.asr_target, self.llm_target, self.tts_target)
-        ]
-        self.asr = asr_pb2_grpc.RecognizerStub(self._channels[0])
-        self.llm = llm_pb2_grpc.GeneratorStub(self._channels[1])
-        self.tts = tts_pb2_grpc.SynthesizerStub(self._channels[2])
+    async def start(self) -> None:
+        """Resolve the replica sets once, then keep them fresh and health-checked in the background."""
+        for replicas in self.sets.values():
+            await replicas.refresh()
+        self._maintenance = asyncio.ensure_future(self._maintain())
 
-    async def ready(self, stage: str) -> None:
-        """Wait until the stage's channel is connected (gRPC keeps retrying with backoff meanwhile)."""
-        await self._channels[("asr", "llm", "tts").index(stage)].channel_ready()
+    async def _maintain(self) -> None:
+        since_refresh = 0.0
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            since_refresh += self.health_interval_s
+            if since_refresh >= self.refresh_s:
+                since_refresh = 0.0
+                for replicas in self.sets.values():
+                    await replicas.refresh()
+            await asyncio.gather(
+                *(self._check(load) for replicas in self.sets.values() for load in replicas.replicas.values())
+            )
+
+    async def _check(self, load: object) -> None:
+        stub = health_pb2_grpc.HealthStub(self.channel(load.target))  # type: ignore[attr-defined]
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != load.healthy:  # type: ignore[attr-defined]
+            log.info("replica health changed", extra={"target": load.target, "healthy": healthy})  # type: ignore[attr-defined]
+        load.healthy = healthy  # type: ignore[attr-defined]
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        if target not in self._channels:
+            self._channels[target] = grpc.aio.insecure_channel(target, options=channel_options())
+        return self._channels[target]
+
+    def mark_down(self, stage: str, target: str) -> None:
+        load = self.sets[stage].replicas.get(target)
+        if load is not None:
+            load.healthy = False
+
+    # ---- stateless stages ---------------------------------------------------------------------------------
+    def pick(self, stage: str) -> str:
+        """ASR or TTS: the least-loaded healthy replica."""
+        return self.sets[stage].least_loaded_order()[0]
+
+    def candidates(self, stage: str) -> list[str]:
+        return self.sets[stage].least_loaded_order()
+
+    def recognizer(self, target: str) -> asr_pb2_grpc.RecognizerStub:
+        return asr_pb2_grpc.RecognizerStub(self.channel(target))
+
+    def synthesizer(self, target: str) -> tts_pb2_grpc.SynthesizerStub:
+        return tts_pb2_grpc.SynthesizerStub(self.channel(target))
+
+    @contextlib.contextmanager
+    def streaming(self, stage: str, target: str) -> Iterator[None]:
+        """Count a stream against its replica for least-loaded picking."""
+        load = self.sets[stage].replicas.get(target)
+        if load is not None:
+            load.in_flight += 1
+        try:
+            yield
+        finally:
+            if load is not None:
+                load.in_flight -= 1
+
+    async def ready(self, target: str) -> None:
+        """Wait until the channel to `target` is connected (gRPC keeps retrying with backoff meanwhile)."""
+        await self.channel(target).channel_ready()
+
+    # ---- the sticky LLM --------------------------------------------------------------------------------
+    def llm_order(self, session_id: str) -> list[str]:
+        return self.sets["llm"].sticky_order(session_id)
+
+    async def generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """Stream from the session's replica; refused or unreachable before the first token: the next one."""
+        last_error: grpc.aio.AioRpcError | None = None
+        for target in self.llm_order(request.session_id):
+            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request)
+            try:
+                try:
+                    first = await anext(aiter(call))
+                except StopAsyncIteration:
+                    return
+                except grpc.aio.AioRpcError as error:
+                    if error.code() not in RETRY_ELSEWHERE:
+                        raise
+                    if error.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.mark_down("llm", target)
+                    log.info(
+                        "llm replica refused; trying the next", extra={"target": target, "code": error.code().name}
+                    )
+                    last_error = error
+                    continue
+                yield first
+                async for response in call:
+                    yield response
+                return
+            finally:
+                call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
+        if last_error is not None:
+            raise last_error
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "no LLM replica configured"
+        )
 
     async def close(self) -> None:
-        for channel in self._channels:
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+        for channel in self._channels.values():
             await channel.close()

@@ -169,19 +169,26 @@ class Session:
                 decode_window=self.pipeline.asr_decode_window,
                 skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
             )
+            target = self.backends.pick("asr")
             try:
-                await self.backends.ready("asr")
-                call = self.backends.asr.StreamingRecognize(_drain(queue, asr_pb2.RecognizeRequest(config=config)))
+                await self.backends.ready(target)
+                call = self.backends.recognizer(target).StreamingRecognize(
+                    _drain(queue, asr_pb2.RecognizeRequest(config=config))
+                )
                 self._asr_queue, self._asr_seq, self._asr_base_ms = queue, 0, self._audio_ms
                 self._recovered("asr")
-                async for event in call:
-                    backoff = RECONNECT_BACKOFF_S[0]
-                    self._on_asr(event)
+                with self.backends.streaming("asr", target):
+                    async for event in call:
+                        backoff = RECONNECT_BACKOFF_S[0]
+                        self._on_asr(event)
                 return  # the input ended and the ASR flushed
             except grpc.aio.AioRpcError as error:
                 self._asr_queue = None
                 if self._fatal_if_bad_request("asr", error) or self._closing:
                     return
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(self.backends.candidates("asr")) > 1:
+                    self.backends.mark_down("asr", target)  # full: the next pick goes elsewhere
+                    continue
                 self._report("asr", error)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
@@ -275,10 +282,10 @@ class Session:
             max_tokens=self.pipeline.max_tokens,
         )
         whole = self.pipeline.buffer_whole_reply
-        call = self.backends.llm.Generate(request)
+        stream = self.backends.generate(request)
         first = True
         try:
-            async for response in call:
+            async for response in stream:
                 if first:
                     first = False
                     reply.mark("llm_first_delta")
@@ -311,7 +318,7 @@ class Session:
             self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
             reply.llm_done = True
         except asyncio.CancelledError:
-            call.cancel()  # frees the LLM slot at once
+            await stream.aclose()  # cancels the call: frees the LLM slot at once
             raise
         except grpc.aio.AioRpcError as error:
             self._report("llm", error)
@@ -381,19 +388,26 @@ class Session:
         )
         while True:
             queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] = asyncio.Queue()
+            target = self.backends.pick("tts")
             try:
-                await self.backends.ready("tts")
-                call = self.backends.tts.StreamingSynthesize(_drain(queue, tts_pb2.SynthesizeRequest(config=config)))
+                await self.backends.ready(target)
+                call = self.backends.synthesizer(target).StreamingSynthesize(
+                    _drain(queue, tts_pb2.SynthesizeRequest(config=config))
+                )
                 self._tts_queue = queue
                 self._recovered("tts")
-                async for event in call:
-                    backoff = RECONNECT_BACKOFF_S[0]
-                    self._on_tts(event)
+                with self.backends.streaming("tts", target):
+                    async for event in call:
+                        backoff = RECONNECT_BACKOFF_S[0]
+                        self._on_tts(event)
                 return
             except grpc.aio.AioRpcError as error:
                 self._tts_queue = None
                 if self._fatal_if_bad_request("tts", error):
                     return
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(self.backends.candidates("tts")) > 1:
+                    self.backends.mark_down("tts", target)
+                    continue
                 self._report("tts", error)
                 for reply in list(self._replies.values()):  # their audio is lost with the stream
                     self._fail(reply)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from services.asr.engine import WhisperTranscriber
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
 from voicemesh import config, logs
+from voicemesh.admission import StreamLimit
 from voicemesh.errors import RequestError, check_session_id, invalid, precondition
 from voicemesh.frames import FrameChecker
 from voicemesh.serving import Server, merge_reader, stream_handler
@@ -37,6 +39,7 @@ class AsrSettings(config.ServerSettings):
     cpu_threads: int = config.setting(
         2, "CTranslate2 threads per decode; 2 = this machine's cores (more only oversubscribes)"
     )
+    max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "decodes run at once; streams beyond that queue (finals before partials)")
 
 
@@ -81,6 +84,7 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
 
     def __init__(self, settings: AsrSettings) -> None:
         self.settings = settings
+        self.limit = StreamLimit(settings.max_streams, socket.gethostname())
         self.transcriber: WhisperTranscriber | None = None
         self.pool = WorkerPool(settings.workers, "asr-decode")
         self.vad_session = None
@@ -100,6 +104,13 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
     @stream_handler
     async def StreamingRecognize(
         self, request_iterator: AsyncIterator[asr_pb2.RecognizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[asr_pb2.RecognizeEvent]:
+        with self.limit.hold():  # refused before reading anything, so the caller can go elsewhere at once
+            async for event in self._stream(request_iterator):
+                yield event
+
+    async def _stream(
+        self, request_iterator: AsyncIterator[asr_pb2.RecognizeRequest]
     ) -> AsyncIterator[asr_pb2.RecognizeEvent]:
         if self.transcriber is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")

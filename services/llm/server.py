@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 
 from services.llm.engine import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, Message
+from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh import config, logs
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.serving import Server, stream_handler
@@ -39,6 +40,9 @@ class LlmSettings(config.ServerSettings):
     slots: int = config.setting(1, "llama.cpp requests served at once (one model copy each); more wait in line")
     n_ctx: int = config.setting(2048, "context window in tokens")
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
+    max_queue_wait_ms: float = config.setting(
+        2000.0, "refuse (RESOURCE_EXHAUSTED) a request whose expected wait for a slot exceeds this; 0 = never"
+    )
 
 
 def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
@@ -100,6 +104,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         self.engine = engine
         self.ready = False
         self.replica = settings.replica or socket.gethostname()
+        self.admission = QueueAdmission(engine.capabilities.max_concurrency, settings.max_queue_wait_ms, self.replica)
 
     @stream_handler
     async def Generate(
@@ -108,11 +113,19 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         if not self.ready:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
         generation = to_request(request)
+        with self.admission.admit():
+            async for response in self._generate(generation):
+                yield response
+
+    async def _generate(self, generation: GenerationRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
         first = True
         completion = 0
+        slot_since_ms: float | None = None
         stream = self.engine.generate(generation)
         try:
             async for chunk in stream:
+                if slot_since_ms is None:
+                    slot_since_ms = monotonic_ms() - (chunk.ttft_ms or 0.0)
                 response = llm_pb2.GenerateResponse(text_delta=chunk.text)
                 if first:
                     first = False
@@ -131,6 +144,8 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
             raise out_of_range(str(exc)) from exc
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
+            if slot_since_ms is not None:
+                self.admission.record(monotonic_ms() - slot_since_ms)
             log.info("generate done", extra={"session_id": generation.session_id, "completion_tokens": completion})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ import numpy as np
 from services.tts.chunking import Chunker, Policy
 from services.tts.engine import PiperEngine
 from voicemesh import config, logs
+from voicemesh.admission import StreamLimit
 from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range, precondition
 from voicemesh.serving import Server, merge_reader, stream_handler
@@ -43,6 +45,7 @@ class TtsSettings(config.ServerSettings):
     intra_op_threads: int = config.setting(
         2, "onnxruntime threads per synthesis; 2 = this machine's cores (Piper's default would take all)"
     )
+    max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "syntheses run at once; chunks beyond that queue")
 
 
@@ -190,6 +193,7 @@ def validate_config(cfg: tts_pb2.SynthesisConfig, engine: PiperEngine) -> None:
 class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
     def __init__(self, settings: TtsSettings) -> None:
         self.settings = settings
+        self.limit = StreamLimit(settings.max_streams, socket.gethostname())
         self.engine: PiperEngine | None = None
         self.pool = WorkerPool(settings.workers, "tts-synth")
 
@@ -201,6 +205,13 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
     @stream_handler
     async def StreamingSynthesize(
         self, request_iterator: AsyncIterator[tts_pb2.SynthesizeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tts_pb2.SynthesizeEvent]:
+        with self.limit.hold():  # refused before reading anything, so the caller can go elsewhere at once
+            async for event in self._stream(request_iterator):
+                yield event
+
+    async def _stream(
+        self, request_iterator: AsyncIterator[tts_pb2.SynthesizeRequest]
     ) -> AsyncIterator[tts_pb2.SynthesizeEvent]:
         if self.engine is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the voice is still loading; wait for health SERVING")
