@@ -12,8 +12,8 @@ from pathlib import Path
 import grpc
 
 from services.llm.engine import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, Message
-from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh import config, logs
+from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.serving import Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
