@@ -115,11 +115,16 @@ class Backends:
     def llm_order(self, session_id: str) -> list[str]:
         return self.sets["llm"].sticky_order(session_id)
 
-    async def generate(self, request: llm_pb2.GenerateRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
-        """Stream from the session's replica; refused or unreachable before the first token: the next one."""
+    async def generate(
+        self, request: llm_pb2.GenerateRequest, metadata: list[tuple[str, str]] | None = None
+    ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """Stream from the session's replica; refused or unreachable before the first token: the next one.
+
+        `metadata` carries the turn's W3C trace context, so the replica's spans join the turn's trace.
+        """
         last_error: grpc.aio.AioRpcError | None = None
         for target in self.llm_order(request.session_id):
-            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request)
+            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request, metadata=metadata or None)
             try:
                 try:
                     first = await anext(aiter(call))

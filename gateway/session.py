@@ -15,19 +15,24 @@ import asyncio
 import collections
 import enum
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span
 
 from gateway.backends import Backends
 from gateway.options import SessionOptions
+from voicemesh import telemetry
 from voicemesh.clients import epoch_us
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2, tts_pb2
 
 log = logging.getLogger(__name__)
+TRACER = telemetry.tracer(__name__)
+HOSTNAME = socket.gethostname()
 
 FRAME_S = 0.02
 LEAD_FRAMES = 5  # sent ahead of real time so the client's jitter buffer starts filled (100 ms)
@@ -55,6 +60,7 @@ class Reply:
     text: list[str] = field(default_factory=list)
     frames: collections.deque[tts_pb2.SpeechFrame] = field(default_factory=collections.deque)
     llm_done: bool = False
+    tts_started: bool = False
     tts_done: bool = False
     spoken_chunks: list[str] = field(default_factory=list)
     frames_sent: int = 0
@@ -69,6 +75,10 @@ class Reply:
     first_sent_us: int = 0
     metrics: conversation_pb2.TurnMetrics = field(default_factory=conversation_pb2.TurnMetrics)
     timeline: dict[str, int] = field(default_factory=dict)  # milestone -> epoch us, logged at the end of the turn
+    span: Span | None = None  # the turn's root span; LLM and TTS spans join its trace
+    asr_event: asr_pb2.RecognizeEvent | None = None  # the event whose transcript the reply answers
+    committed_us: int = 0
+    receipt_us: int = 0
 
     def mark(self, milestone: str) -> None:
         self.timeline.setdefault(milestone, epoch_us())
@@ -81,7 +91,9 @@ class Session:
     and forwards `events` (ConverseEvent; a RequestError for a fatal problem; None at the end).
     """
 
-    def __init__(self, options: SessionOptions, backends: Backends, history: list[tuple[str, str]]) -> None:
+    def __init__(
+        self, options: SessionOptions, backends: Backends, history: list[tuple[str, str]], transport: str = "grpc"
+    ) -> None:
         self.options = options
         self.pipeline = options.pipeline
         self.backends = backends
@@ -106,6 +118,8 @@ class Session:
         self._idle = asyncio.Event()
         self._idle.set()
         self._down: set[str] = set()
+        self._recent: dict[int, Reply] = {}  # ended turns, for client reports that come after the end
+        self.transport = transport
         self._tasks = [
             asyncio.ensure_future(self._asr_loop()),
             asyncio.ensure_future(self._tts_loop()),
@@ -210,7 +224,7 @@ class Session:
             if self.pipeline.speculative_start and text and self._current is None:
                 if self._speculative is not None:
                     self._discard(self._speculative)
-                self._speculative = self._start_reply(text, speculative=True)
+                self._speculative = self._start_reply(text, speculative=True, event=event)
         elif kind == "speech_resumed":
             if self._speculative is not None:
                 self._discard(self._speculative)
@@ -233,7 +247,7 @@ class Session:
         else:
             if speculative is not None:
                 self._discard(speculative)
-            reply = self._start_reply(text, speculative=False)
+            reply = self._start_reply(text, speculative=False, event=event)
         committed_us = epoch_us()
         capture_us = event.speech_end_capture_time_us
         receipt_us = self._receipt_us.get(capture_us, committed_us)
@@ -243,6 +257,10 @@ class Session:
         metrics.upload_ms = (receipt_us - capture_us) / 1000
         metrics.endpoint_ms = (committed_us - receipt_us) / 1000
         metrics.asr.CopyFrom(event.timing)
+        reply.committed_us, reply.receipt_us = committed_us, receipt_us
+        if reply.speculative:
+            telemetry.SPECULATIVE.labels("used").inc()
+        telemetry.TURNS.inc()
         metrics.speculative_used = reply.speculative
         metrics.speculative_discarded = self._discarded
         self._discarded = 0
@@ -259,10 +277,23 @@ class Session:
         self._audio_ready.set()
 
     # ---- replies -------------------------------------------------------------------------------------------
-    def _start_reply(self, user_text: str, speculative: bool) -> Reply:
+    def _start_reply(self, user_text: str, speculative: bool, event: asr_pb2.RecognizeEvent) -> Reply:
         self._utterance_ids += 1
         reply = Reply(self._utterance_ids, user_text, speculative)
         reply.mark("reply_started")
+        reply.asr_event = event
+        start_us = event.speech_end_capture_time_us or epoch_us()
+        reply.span = TRACER.start_span(
+            "turn",
+            start_time=start_us * 1000,
+            attributes={
+                "session.id": self.options.session_id,
+                "transport": self.transport,
+                "replica": HOSTNAME,
+                "speculative": speculative,
+                "audio_s": max(0, event.speech_end_ms - event.speech_start_ms) / 1000,
+            },
+        )
         self._replies[reply.utterance_id] = reply
         reply.llm_task = asyncio.ensure_future(self._generate(reply))
         return reply
@@ -282,7 +313,7 @@ class Session:
             max_tokens=self.pipeline.max_tokens,
         )
         whole = self.pipeline.buffer_whole_reply
-        stream = self.backends.generate(request)
+        stream = self.backends.generate(request, telemetry.metadata_for(reply.span))
         first = True
         try:
             async for response in stream:
@@ -303,18 +334,12 @@ class Session:
                             reply_text=conversation_pb2.ReplyText(text_delta=response.text_delta), turn=reply.turn_index
                         )
                     if not whole:
-                        self._tts_send(
-                            tts_pb2.SynthesizeRequest(
-                                text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=response.text_delta)
-                            )
-                        )
+                        self._tts_text(reply, response.text_delta)
                 if response.finish_reason:
                     reply.usage.CopyFrom(response.usage)
             full = "".join(reply.text).strip()
             if whole and full:
-                self._tts_send(
-                    tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=full))
-                )
+                self._tts_text(reply, full)
             self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
             reply.llm_done = True
         except asyncio.CancelledError:
@@ -323,6 +348,13 @@ class Session:
         except grpc.aio.AioRpcError as error:
             self._report("llm", error)
             self._fail(reply)
+
+    def _tts_text(self, reply: Reply, text: str) -> None:
+        delta = tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=text)
+        if not reply.tts_started:
+            reply.tts_started = True
+            delta.traceparent = telemetry.traceparent_of(reply.span)
+        self._tts_send(tts_pb2.SynthesizeRequest(text=delta))
 
     def _tts_send(self, request: tts_pb2.SynthesizeRequest) -> None:
         if self._tts_queue is None:
@@ -334,12 +366,17 @@ class Session:
     def _discard(self, reply: Reply) -> None:
         """A speculative reply was overtaken: never spoken, never in history."""
         self._discarded += 1
+        telemetry.SPECULATIVE.labels("discarded").inc()
         self._cancel_reply(reply)
+        if reply.span is not None:
+            reply.span.set_attribute("speculative.discarded", True)
+            reply.span.end()
 
     def _cancel_reply(self, reply: Reply) -> None:
         if reply.cancelled:
             return
         reply.cancelled = True
+        telemetry.CANCELLATIONS.inc()
         reply.frames.clear()
         if reply.llm_task is not None and not reply.llm_task.done():
             reply.llm_task.cancel()
@@ -362,6 +399,9 @@ class Session:
         spoken = " ".join(reply.spoken_chunks)
         self._cancel_reply(reply)
         log.info("barge-in", extra={"session_id": self.options.session_id, "spoken": spoken})
+        telemetry.INTERRUPTIONS.inc()
+        if reply.span is not None:
+            reply.span.set_attribute("interrupted", True)
         self._emit(interrupted=conversation_pb2.Interrupted(spoken_text=spoken), turn=reply.turn_index)
         self._end_turn(reply, spoken)
 
@@ -371,6 +411,11 @@ class Session:
         if text:
             self.history.append(("assistant", text))
         self._emit_metrics(reply)
+        if reply.span is not None:
+            reply.span.end()
+        self._recent[reply.turn_index] = reply
+        while len(self._recent) > 4:
+            self._recent.pop(min(self._recent))
         self._current = None
         self.state = State.LISTENING
         self._idle.set()
@@ -503,6 +548,7 @@ class Session:
             metrics.v2v_ms = (reply.first_sent_us - metrics.speech_end_capture_us) / 1000
             metrics.gateway_ms = (reply.first_sent_us - reply.first_frame_received_us) / 1000
         self._emit(metrics=metrics, turn=reply.turn_index)
+        self._record_turn(reply)
         origin = metrics.speech_end_capture_us
         log.info(
             "turn",
@@ -514,10 +560,68 @@ class Session:
             },
         )
 
+    def _record_turn(self, reply: Reply) -> None:
+        """Stage histograms, and the turn's spans for what the gateway measured itself (the ASR stream spans
+        many turns, so its decode is recorded here from the times the ASR service reported)."""
+        metrics = reply.metrics
+        stages_ms = {
+            "upload": metrics.upload_ms,
+            "endpoint": metrics.endpoint_ms,
+            "asr_queue": metrics.asr.queue_ms,
+            "asr_compute": metrics.asr.compute_ms,
+            "llm_queue": metrics.llm.queue_ms,
+            "llm_first_token": metrics.llm.compute_ms,
+            "tts_queue": metrics.tts.queue_ms,
+            "tts_first_audio": metrics.tts.compute_ms,
+        }
+        for stage, value_ms in stages_ms.items():
+            telemetry.TURN_STAGE.labels(stage).observe(max(0.0, value_ms) / 1000)
+        if metrics.v2v_ms:
+            telemetry.TURN_V2V.observe(metrics.v2v_ms / 1000)
+        span = reply.span
+        if span is None:
+            return
+        span.set_attributes(
+            {
+                "turn.index": reply.turn_index,
+                "v2v_ms": metrics.v2v_ms,
+                "llm.replica": metrics.llm_replica,
+                "prompt_tokens": metrics.prompt_tokens,
+                "completion_tokens": metrics.completion_tokens,
+                "speculative.used": metrics.speculative_used,
+                "speculative.discarded_before": metrics.speculative_discarded,
+            }
+        )
+        capture_ns, receipt_ns = metrics.speech_end_capture_us * 1000, reply.receipt_us * 1000
+        telemetry.timed_span(TRACER, "upload", capture_ns, receipt_ns, span)
+        telemetry.timed_span(TRACER, "endpoint", receipt_ns, reply.committed_us * 1000, span)
+        event = reply.asr_event
+        if event is not None and event.decode_done_us:
+            done_ns = event.decode_done_us * 1000
+            started_ns = done_ns - int(event.timing.compute_ms * 1e6)
+            queued_ns = started_ns - int(event.timing.queue_ms * 1e6)
+            attributes = {"service": "asr", "reconstructed": True}
+            telemetry.timed_span(TRACER, "asr.queue", max(queued_ns, capture_ns), started_ns, span, attributes)
+            telemetry.timed_span(TRACER, "asr.compute", max(started_ns, capture_ns), done_ns, span, attributes)
+
+    def on_client_report(self, report: conversation_pb2.ClientReport) -> None:
+        """The client says when a turn's first audio arrived: the downlink stage."""
+        reply = self._current if self._current is not None and self._current.turn_index == report.turn_index else None
+        reply = reply or self._recent.get(report.turn_index)
+        if reply is None or not reply.first_sent_us or report.first_audio_received_us < reply.first_sent_us:
+            return
+        downlink_ms = (report.first_audio_received_us - reply.first_sent_us) / 1000
+        telemetry.TURN_STAGE.labels("downlink").observe(downlink_ms / 1000)
+        if reply.span is not None:
+            telemetry.timed_span(
+                TRACER, "downlink", reply.first_sent_us * 1000, report.first_audio_received_us * 1000, reply.span
+            )
+
     def _report(self, stage: str, error: grpc.aio.AioRpcError) -> None:
         if stage in self._down and stage != "llm":
             return  # one error event per outage, not one per reconnect attempt
         self._down.add(stage)
+        telemetry.ERRORS.labels(stage, error.code().name).inc()
         log.warning(
             "backend failed", extra={"session_id": self.options.session_id, "stage": stage, "code": error.code().name}
         )

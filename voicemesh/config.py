@@ -30,6 +30,8 @@ class ServerSettings:
     drain_grace_s: float = setting(10.0, "on SIGTERM: stop accepting, let in-flight streams finish this long")
     max_message_bytes: int = setting(4 * 1024 * 1024, "largest gRPC message accepted or sent")
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
+    metrics_port: int = setting(0, "Prometheus /metrics port (0 = no endpoint)")
+    trace_file: str = setting("", "append finished spans to this JSONL file (OTLP export is set by OTEL_* env)")
 
 
 def _parse(kind: Any, raw: str) -> Any:

@@ -169,7 +169,11 @@ class ConversationClient:
             return ReplyText(turn, message.reply_text.text_delta)
         if kind == "reply_audio":
             now = epoch_us()
-            self._first_audio_us.setdefault(turn, now)
+            if turn not in self._first_audio_us:
+                self._first_audio_us[turn] = now
+                if not self._closed:  # tell the gateway, which records the downlink stage
+                    report = conversation_pb2.ClientReport(turn_index=turn, first_audio_received_us=now)
+                    self._queue.put_nowait(conversation_pb2.ConverseRequest(report=report))
             frame = message.reply_audio.frame
             return ReplyAudio(
                 turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now

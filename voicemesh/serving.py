@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from voicemesh import logs, telemetry
 from voicemesh.config import ServerSettings
 from voicemesh.errors import RequestError
 
@@ -52,6 +53,7 @@ def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
                 yield item
         except RequestError as exc:
             log.info("request refused", extra={"rpc": method.__name__, "code": exc.code.name, "reason": exc.message})
+            telemetry.ERRORS.labels(method.__name__, exc.code.name).inc()
             await context.abort(exc.code, exc.message)
         except asyncio.CancelledError:
             raise
@@ -59,6 +61,7 @@ def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
             raise
         except Exception:
             log.exception("stream failed", extra={"rpc": method.__name__})
+            telemetry.ERRORS.labels(method.__name__, "INTERNAL").inc()
             await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed inside the server; see its logs")
 
     return wrapper
@@ -157,3 +160,13 @@ async def merge_reader(reader: Awaitable[None], events: asyncio.Queue[Any]) -> A
             yield event
     finally:
         reader_task.cancel()
+
+
+def run(service: str, settings: ServerSettings, build: Callable[[Any], Server]) -> None:
+    """A service's main: structured logs, telemetry, serve until SIGTERM, drain, flush spans."""
+    logs.configure(settings.log_level, service)
+    telemetry.setup(service, "", settings.trace_file, settings.metrics_port, settings.host)
+    try:
+        asyncio.run(build(settings).run_until_signal())
+    finally:
+        telemetry.shutdown()

@@ -29,6 +29,7 @@ class Transcript:
     text: str
     words: list[WordTiming] = field(default_factory=list)
     compute_ms: float = 0.0
+    done_us: int = 0  # wall clock when the decode finished, epoch microseconds
 
 
 def default_model_dir() -> Path:
@@ -111,7 +112,9 @@ class WhisperTranscriber:
             text = " ".join(w.text for w in words)
         else:
             text = " ".join(clean_tail(collapse_repetition(" ".join(s.text for s in segments).split())))
-        return Transcript(text=text, words=words, compute_ms=(time.monotonic_ns() - started) / 1e6)
+        return Transcript(
+            text=text, words=words, compute_ms=(time.monotonic_ns() - started) / 1e6, done_us=time.time_ns() // 1000
+        )
 
 
 def _norm(word: str) -> str:

@@ -15,7 +15,7 @@ from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import WhisperTranscriber
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
-from voicemesh import config, logs
+from voicemesh import config, serving
 from voicemesh.admission import StreamLimit
 from voicemesh.errors import RequestError, check_session_id, invalid, precondition
 from voicemesh.frames import FrameChecker
@@ -161,9 +161,8 @@ def build_server(settings: AsrSettings) -> Server:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = config.from_argv(AsrSettings, "asr", argv, prog="voicemesh serve asr")
-    logs.configure(settings.log_level, "asr")
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # it logs every decode at INFO
-    asyncio.run(build_server(settings).run_until_signal())
+    serving.run("asr", settings, build_server)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
 from services.asr.engine import SAMPLE_RATE_HZ, Transcript, WhisperTranscriber
 from services.asr.stabilizer import LocalAgreement
 from services.asr.vad import WINDOW_MS, WINDOW_SAMPLES, StreamingVad
+from voicemesh import telemetry
 from voicemesh.audio import StreamResampler, pcm16_to_float
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Timed, WorkerPool
@@ -243,6 +244,10 @@ class RecognitionStream:
         if timing_from is not None:
             message.timing.queue_ms = timing_from.queue_ms
             message.timing.compute_ms = timing_from.compute_ms
+            message.decode_done_us = timing_from.result.done_us
+            if event.keys() & {"final", "endpoint_candidate"}:
+                telemetry.QUEUE_WAIT.labels("asr").observe(timing_from.queue_ms / 1000)
+                telemetry.COMPUTE.labels("asr").observe(timing_from.compute_ms / 1000)
         self._emit(message)
 
     def _spawn(self, coro: object) -> asyncio.Task[None]:

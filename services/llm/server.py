@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
+from opentelemetry.trace import Span
 
 from services.llm.engine import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, Message
-from voicemesh import config, logs
+from voicemesh import config, serving, telemetry
 from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.serving import Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
+TRACER = telemetry.tracer(__name__)
 
 MAX_TOKENS_LIMIT = 512
 MAX_PROMPT_CHARS = 16_000
@@ -113,14 +115,22 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         if not self.ready:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
         generation = to_request(request)
+        parent = telemetry.context_from(context.invocation_metadata())
         with self.admission.admit():
-            async for response in self._generate(generation):
-                yield response
+            telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
+            with TRACER.start_as_current_span("llm.generate", context=parent) as span:
+                span.set_attributes(
+                    {"session.id": generation.session_id, "replica": self.replica, "model": self.engine.model_name}
+                )
+                async for response in self._generate(generation, span):
+                    yield response
+        telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
 
-    async def _generate(self, generation: GenerationRequest) -> AsyncIterator[llm_pb2.GenerateResponse]:
+    async def _generate(self, generation: GenerationRequest, span: Span) -> AsyncIterator[llm_pb2.GenerateResponse]:
         first = True
         completion = 0
         slot_since_ms: float | None = None
+        arrived_ns = time.time_ns()
         stream = self.engine.generate(generation)
         try:
             async for chunk in stream:
@@ -129,12 +139,26 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                 response = llm_pb2.GenerateResponse(text_delta=chunk.text)
                 if first:
                     first = False
+                    now_ns = time.time_ns()
+                    queue_ms, ttft_ms = chunk.queue_ms or 0.0, chunk.ttft_ms or 0.0
+                    slot_ns = now_ns - int(ttft_ms * 1e6)
+                    telemetry.timed_span(TRACER, "llm.queue", arrived_ns, slot_ns, span)
+                    telemetry.timed_span(TRACER, "llm.first_token", slot_ns, now_ns, span)
+                    telemetry.QUEUE_WAIT.labels("llm").observe(queue_ms / 1000)
+                    telemetry.COMPUTE.labels("llm").observe(ttft_ms / 1000)
                     response.queue_ms = chunk.queue_ms or 0.0
                     response.ttft_ms = chunk.ttft_ms or 0.0
                     response.replica = self.replica
                     response.model = self.engine.model_name
                 if chunk.finish_reason:
                     completion = chunk.completion_tokens
+                    span.set_attributes(
+                        {
+                            "prompt_tokens": chunk.prompt_tokens,
+                            "cached_prompt_tokens": chunk.cached_prompt_tokens,
+                            "completion_tokens": chunk.completion_tokens,
+                        }
+                    )
                     response.finish_reason = FINISH.get(chunk.finish_reason, llm_pb2.FINISH_REASON_STOP)
                     response.usage.prompt_tokens = chunk.prompt_tokens
                     response.usage.cached_prompt_tokens = chunk.cached_prompt_tokens
@@ -167,8 +191,7 @@ def build_server(settings: LlmSettings) -> Server:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = config.from_argv(LlmSettings, "llm", argv, prog="voicemesh serve llm")
-    logs.configure(settings.log_level, "llm")
-    asyncio.run(build_server(settings).run_until_signal())
+    serving.run("llm", settings, build_server)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from opentelemetry.trace import Span
 
 from services.tts.chunking import Chunker, Policy
 from services.tts.engine import PiperEngine
-from voicemesh import config, logs
+from voicemesh import config, serving, telemetry
 from voicemesh.admission import StreamLimit
 from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range, precondition
@@ -24,6 +25,7 @@ from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
 from voicemesh.workers import WorkerPool
 
 log = logging.getLogger(__name__)
+TRACER = telemetry.tracer(__name__)
 
 SUPPORTED_RATES_HZ = (16000, 22050, 24000, 48000)
 MAX_DELTA_BYTES = 4096
@@ -52,6 +54,7 @@ class TtsSettings(config.ServerSettings):
 @dataclasses.dataclass
 class _Utterance:
     chunker: Chunker
+    span: Span | None = None  # tts.synthesize, in the trace of the turn that sent the utterance
     bytes_in: int = 0
     chunks: int = 0
     audio_ms: float = 0.0
@@ -86,6 +89,11 @@ class SynthesisStream:
             if size > MAX_DELTA_BYTES:
                 raise out_of_range(f"text delta is {size} bytes; at most {MAX_DELTA_BYTES} per TextDelta")
             utterance = self._open(uid)
+            if utterance.span is None and request.text.traceparent:
+                parent = telemetry.context_from({"traceparent": request.text.traceparent})
+                utterance.span = TRACER.start_span(
+                    "tts.synthesize", context=parent, attributes={"session.id": self.cfg.session_id}
+                )
             utterance.bytes_in += size
             if utterance.bytes_in > MAX_UTTERANCE_BYTES:
                 raise out_of_range(f"utterance {uid} exceeds {MAX_UTTERANCE_BYTES} bytes of text; flush and start anew")
@@ -103,7 +111,10 @@ class SynthesisStream:
             uid = request.cancel.utterance_id
             self._cancelled.add(uid)
             self._closed_ids.add(uid)
-            self._utterances.pop(uid, None)
+            cancelled = self._utterances.pop(uid, None)
+            if cancelled is not None and cancelled.span is not None:
+                cancelled.span.set_attribute("cancelled", True)
+                cancelled.span.end()
             self.events.put_nowait(tts_pb2.SynthesizeEvent(cancelled=tts_pb2.UtteranceCancelled(utterance_id=uid)))
 
     def _open(self, uid: int) -> _Utterance:
@@ -125,6 +136,9 @@ class SynthesisStream:
             if chunk is None:
                 self._utterances.pop(uid, None)
                 audio_ms = int(utterance.audio_ms) if utterance else 0
+                if utterance is not None and utterance.span is not None:
+                    utterance.span.set_attributes({"audio_ms": audio_ms, "chunks": utterance.chunks})
+                    utterance.span.end()
                 self.events.put_nowait(
                     tts_pb2.SynthesizeEvent(done=tts_pb2.UtteranceDone(utterance_id=uid, audio_ms=audio_ms))
                 )
@@ -135,6 +149,13 @@ class SynthesisStream:
                 continue
             # Waiting behind this stream's earlier chunks counts as queueing too, not just the pool's wait.
             queue_ms = (submitted_ns - ready_ns) / 1e6 + timed.queue_ms
+            telemetry.QUEUE_WAIT.labels("tts").observe(queue_ms / 1000)
+            telemetry.COMPUTE.labels("tts").observe(timed.compute_ms / 1000)
+            if utterance.chunks == 0 and utterance.span is not None:
+                done_ns = time.time_ns()
+                started_ns = done_ns - int(timed.compute_ms * 1e6)
+                telemetry.timed_span(TRACER, "tts.queue", started_ns - int(queue_ms * 1e6), started_ns, utterance.span)
+                telemetry.timed_span(TRACER, "tts.first_audio", started_ns, done_ns, utterance.span, {"text": chunk})
             frames = timed.result
             for index, data in enumerate(frames):
                 event = tts_pb2.SynthesizeEvent(
@@ -259,8 +280,7 @@ def build_server(settings: TtsSettings) -> Server:
 
 def main(argv: Sequence[str] | None = None) -> None:
     settings = config.from_argv(TtsSettings, "tts", argv, prog="voicemesh serve tts")
-    logs.configure(settings.log_level, "tts")
-    asyncio.run(build_server(settings).run_until_signal())
+    serving.run("tts", settings, build_server)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,136 @@
+"""`voicemesh report`: percentiles of V2V and of every stage of a turn, from spans.
+
+Spans come from a JSONL file written by the `trace_file` setting, or from an OTLP/gRPC receiver this command
+runs for a while (point the services' OTEL_EXPORTER_OTLP_ENDPOINT at it). Queue time is reported apart from
+compute time, because when p99 breaks, queueing is where to look first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+from voicemesh.loadstats import summarize
+
+STAGES = (
+    "upload",
+    "endpoint",
+    "asr.queue",
+    "asr.compute",
+    "llm.queue",
+    "llm.first_token",
+    "tts.queue",
+    "tts.first_audio",
+    "downlink",
+)
+
+
+def read_jsonl(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    spans = []
+    for path in paths:
+        with open(path, encoding="utf-8") as file:
+            spans += [json.loads(line) for line in file if line.strip()]
+    return spans
+
+
+def _value(any_value: Any) -> Any:
+    kind = any_value.WhichOneof("value")
+    return getattr(any_value, kind) if kind else None
+
+
+def records_from_otlp(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict[str, Any]]:
+    """OTLP spans -> the same records the JSONL exporter writes."""
+    records = []
+    for resource_spans in request.resource_spans:
+        resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                records.append(
+                    {
+                        "name": span.name,
+                        "trace_id": span.trace_id.hex(),
+                        "span_id": span.span_id.hex(),
+                        "parent_id": span.parent_span_id.hex() or None,
+                        "start_ns": span.start_time_unix_nano,
+                        "end_ns": span.end_time_unix_nano,
+                        "service": resource.get("service.name", ""),
+                        "attributes": {a.key: _value(a.value) for a in span.attributes},
+                    }
+                )
+    return records
+
+
+class SpanCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A real OTLP/gRPC trace receiver that keeps what it receives in memory."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+        self.arrived = asyncio.Event()
+
+    async def Export(
+        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
+    ) -> trace_service_pb2.ExportTraceServiceResponse:
+        self.spans += records_from_otlp(request)
+        self.arrived.set()
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def start_collector(address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int, SpanCollector]:
+    collector = SpanCollector()
+    server = grpc.aio.server()
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    port = server.add_insecure_port(address)
+    await server.start()
+    return server, port, collector
+
+
+def turn_table(spans: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """One row per answered turn: V2V and each stage's duration in ms (stages missing from a trace are absent)."""
+    by_trace: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        by_trace[span["trace_id"]].append(span)
+    rows = []
+    for trace_spans in by_trace.values():
+        turns = [s for s in trace_spans if s["name"] == "turn" and not s["attributes"].get("speculative.discarded")]
+        if not turns or not turns[0]["attributes"].get("v2v_ms"):
+            continue
+        row = {"v2v": float(turns[0]["attributes"]["v2v_ms"])}
+        for span in trace_spans:
+            if span["name"] in STAGES:
+                row[span["name"]] = (span["end_ns"] - span["start_ns"]) / 1e6
+        rows.append(row)
+    return rows
+
+
+def summarize_turns(spans: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = turn_table(spans)
+    return {
+        "turns": len(rows),
+        "v2v_ms": summarize([r["v2v"] for r in rows]),
+        "stages_ms": {stage: summarize([r[stage] for r in rows if stage in r]) for stage in STAGES},
+    }
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    lines = [f"{summary['turns']} turns", f"{'stage':<18}{'count':>7}{'p50':>9}{'p95':>9}{'p99':>9}{'max':>9}  (ms)"]
+    for name, stats in [("v2v", summary["v2v_ms"]), *summary["stages_ms"].items()]:
+        cells = [f"{stats[k]:>9.1f}" if stats[k] is not None else f"{'-':>9}" for k in ("p50", "p95", "p99", "max")]
+        lines.append(f"{name:<18}{stats['count']:>7}{''.join(cells)}")
+    return "\n".join(lines)
+
+
+async def collect(listen: str, seconds: float) -> list[dict[str, Any]]:
+    server, port, collector = await start_collector(listen)
+    print(f"receiving OTLP/gRPC spans on {listen.rsplit(':', 1)[0]}:{port} for {seconds:.0f} s", flush=True)
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        await server.stop(1)
+    return collector.spans

@@ -1,0 +1,170 @@
+"""Tracing and metrics for every process.
+
+Traces: OpenTelemetry spans, exported over OTLP/gRPC when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
+`..._TRACES_ENDPOINT`) is set — the SDK reads every other `OTEL_*` variable itself — and/or to a JSONL file
+(`trace_file` setting). Nothing is exported otherwise. W3C trace context crosses calls in gRPC metadata, and
+in-band (`traceparent` fields) on streams that outlive a turn.
+Metrics: Prometheus histograms and counters, scraped from `metrics_port` (0 = no endpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_provider: TracerProvider | None = None
+
+# Buckets from 5 ms to 10 s: voice latency lives between 50 ms and a few seconds.
+LATENCY_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    10.0,
+)
+
+TURN_V2V = Histogram("voicemesh_turn_v2v_seconds", "Voice-to-voice per turn (gateway view)", buckets=LATENCY_BUCKETS_S)
+TURN_STAGE = Histogram(
+    "voicemesh_turn_stage_seconds",
+    "Each stage of a turn (queue and compute apart)",
+    ["stage"],
+    buckets=LATENCY_BUCKETS_S,
+)
+SESSIONS = Counter("voicemesh_sessions_total", "Conversation sessions started", ["transport"])
+ACTIVE_SESSIONS = Gauge("voicemesh_gateway_active_sessions", "Sessions open on this gateway")
+TURNS = Counter("voicemesh_turns_total", "User turns committed")
+INTERRUPTIONS = Counter("voicemesh_interruptions_total", "Replies cut short by barge-in")
+CANCELLATIONS = Counter("voicemesh_cancellations_total", "LLM/TTS work cancelled (barge-in, superseded, failed)")
+SPECULATIVE = Counter("voicemesh_speculative_starts_total", "Speculative reply starts by outcome", ["outcome"])
+ERRORS = Counter("voicemesh_errors_total", "Errors by stage and gRPC status", ["stage", "code"])
+QUEUE_WAIT = Histogram(
+    "voicemesh_queue_wait_seconds", "Time work waited for a worker or slot", ["service"], buckets=LATENCY_BUCKETS_S
+)
+COMPUTE = Histogram(
+    "voicemesh_compute_seconds", "Time to the first result on a worker", ["service"], buckets=LATENCY_BUCKETS_S
+)
+WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
+
+
+class JsonlSpanExporter(SpanExporter):
+    """One JSON object per finished span, appended to a file (`voicemesh report` reads it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(span_record(span)) for span in spans]
+        with self._lock, open(self._path, "a", encoding="utf-8") as file:
+            file.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    context = span.get_span_context()
+    return {
+        "name": span.name,
+        "trace_id": f"{context.trace_id:032x}",
+        "span_id": f"{context.span_id:016x}",
+        "parent_id": f"{span.parent.span_id:016x}" if span.parent else None,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "service": span.resource.attributes.get("service.name", ""),
+        "attributes": dict(span.attributes or {}),
+    }
+
+
+def setup(
+    service: str, replica: str = "", trace_file: str = "", metrics_port: int = 0, host: str = "127.0.0.1"
+) -> None:
+    """Configure this process once: span export (OTLP by OTEL_* env, and/or a JSONL file) and /metrics."""
+    global _provider
+    replica = replica or socket.gethostname()
+    resource = Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME", f"voicemesh-{service}"), "service.instance.id": replica}
+    )
+    provider = TracerProvider(resource=resource)
+    otlp = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if otlp and os.environ.get("OTEL_TRACES_EXPORTER", "otlp") != "none":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        log.info("exporting traces over OTLP", extra={"endpoint": otlp})
+    if trace_file:
+        provider.add_span_processor(BatchSpanProcessor(JsonlSpanExporter(trace_file)))
+        log.info("writing traces", extra={"file": trace_file})
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    if metrics_port:
+        start_http_server(metrics_port, addr=host)
+        log.info("metrics endpoint", extra={"address": f"http://{host}:{metrics_port}/metrics"})
+
+
+def shutdown() -> None:
+    """Flush spans still in the batch processors (call on the way out)."""
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def metadata_for(span_context: trace.Span | None) -> list[tuple[str, str]]:
+    """gRPC metadata carrying the W3C trace context of `span_context` (empty if none)."""
+    if span_context is None:
+        return []
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=trace.set_span_in_context(span_context))
+    return list(carrier.items())
+
+
+def traceparent_of(span: trace.Span | None) -> str:
+    return dict(metadata_for(span)).get("traceparent", "")
+
+
+def context_from(carrier: dict[str, str] | Sequence[tuple[str, str]] | None) -> otel_context.Context:
+    """The remote parent context from metadata pairs or a {"traceparent": ...} dict."""
+    items = dict(carrier or {})
+    return propagate.extract({k.lower(): v for k, v in items.items()})
+
+
+def timed_span(
+    tracer_: trace.Tracer,
+    name: str,
+    start_ns: int,
+    end_ns: int,
+    parent: otel_context.Context | trace.Span,
+    attributes: dict[str, Any] | None = None,
+) -> None:
+    """Record a span whose times are already known (measured before the span could be made)."""
+    ctx = trace.set_span_in_context(parent) if isinstance(parent, trace.Span) else parent
+    span = tracer_.start_span(name, context=ctx, start_time=start_ns, attributes=attributes or {})
+    span.end(end_time=max(end_ns, start_ns))
