@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import pipeline, services
+from bench import pipeline, routing, services
 
 
 def main() -> None:
@@ -19,6 +19,7 @@ def main() -> None:
         "services": services.run(),
     }
     results["pipeline_v2v"] = pipeline.run()
+    results["llm_routing"] = routing.run()
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -73,7 +73,9 @@ class Mesh:
         self.processes[name] = process
         return process
 
-    async def wait(self, timeout_s: float = 180.0) -> None:
+    async def wait(self, timeout_s: float = 180.0, names: Sequence[str] | None = None) -> None:
+        """Wait until the named services (default: all) report SERVING; raises if one exits first."""
+
         async def one(process: Process) -> None:
             task = asyncio.ensure_future(wait_healthy(process.target, timeout_s))
             while not task.done():
@@ -83,7 +85,7 @@ class Mesh:
                 await asyncio.sleep(0.2)
             task.result()
 
-        await asyncio.gather(*(one(p) for p in self.processes.values()))
+        await asyncio.gather(*(one(self.processes[n]) for n in (names or list(self.processes))))
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a crash would."""

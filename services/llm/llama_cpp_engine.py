@@ -229,8 +229,8 @@ class LlamaCppEngine:
         )
 
     def _save_state(self, session_id: str, llama: object) -> None:
-        if len(self._slots) == 1:
-            return  # one slot: its KV cache already is the state; saving would only cost a copy
+        # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
+        # session's state (a few MB for a short dialogue, ~1 ms) lets its next turn skip the prefill again.
         self._states[session_id] = llama.save_state()  # type: ignore[attr-defined]
         self._states.move_to_end(session_id)
         while len(self._states) > self._saved_sessions:

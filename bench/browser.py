@@ -1,0 +1,270 @@
+"""Voice-to-voice latency measured in a real browser, over WebRTC and over WebSocket; `python -m bench.browser`.
+
+Debian chromium, driven by playwright, hears a WAV as its microphone (the questions, each followed by silence;
+chromium loops the file) and talks to the gateway's page. V2V per turn = first reply audio played by the page -
+end of the user's speech as the page's microphone heard it (the end of the clip in the fed WAV; the padding is
+digital silence), both on the page's audio clock. Prints p50/p95 per transport as JSON.
+
+Also the harness of the browser tests (tests/e2e): the chromium flags, the fed WAV, and a loopback-only network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import fcntl
+import importlib.util
+import json
+import os
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from voicemesh.audio import Clip, float_to_pcm16, read_wav, write_wav
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIPS = ROOT.parent / "shared" / "audio"
+CHROMIUM = Path("/usr/bin/chromium")
+FED_RATE_HZ = 48000
+SPEECH_RMS = 0.002  # 20 ms windows quieter than this at a clip's end are trimmed: the clip ends with the speech
+CHROMIUM_ARGS = (
+    "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
+    "--allow-loopback-in-peer-connection",
+    "--autoplay-policy=no-user-gesture-required",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+NETNS_ENV = "VOICEMESH_NETNS"
+
+
+def browser_missing() -> str | None:
+    """Why the browser tests cannot run here, or None."""
+    if not CHROMIUM.exists():
+        return f"{CHROMIUM} is absent: the project's setup installs Debian chromium (apt-get install -y chromium)"
+    if importlib.util.find_spec("playwright") is None:
+        return "the playwright package is absent: the project's setup installs it (pip, the dev extra)"
+    return None
+
+
+def trimmed(clip: Clip) -> Clip:
+    """The clip without its quiet tail, so the end of the clip is the end of the speech."""
+    window = clip.rate_hz // 50
+    samples = clip.samples
+    end = len(samples)
+    while end > window and np.sqrt(np.mean(samples[end - window : end] ** 2)) < SPEECH_RMS:
+        end -= window
+    return Clip(samples[:end], clip.rate_hz)
+
+
+def fake_mic_wav(path: Path, parts: Sequence[Clip | float]) -> list[float]:
+    """Write clips and seconds of digital silence as one 48 kHz WAV for chromium's fake microphone.
+
+    Returns where each clip's speech ends, in seconds from the start of the file.
+    """
+    pieces: list[np.ndarray] = []
+    ends: list[float] = []
+    offset = 0
+    for part in parts:
+        if isinstance(part, Clip):
+            samples = trimmed(part).to_rate(FED_RATE_HZ).samples
+            ends.append((offset + len(samples)) / FED_RATE_HZ)
+        else:
+            samples = np.zeros(int(part * FED_RATE_HZ), np.float32)
+        pieces.append(samples)
+        offset += len(samples)
+    write_wav(path, float_to_pcm16(np.concatenate(pieces)), FED_RATE_HZ)
+    return ends
+
+
+def chromium_args(wav: Path) -> list[str]:
+    return [*CHROMIUM_ARGS, f"--use-file-for-fake-audio-capture={wav}"]
+
+
+async def launch(playwright: Any, wav: Path) -> Any:
+    """Headless chromium whose microphone plays `wav` (on a loop)."""
+    return await playwright.chromium.launch(
+        executable_path=str(CHROMIUM), headless=True, args=chromium_args(wav), chromium_sandbox=False
+    )
+
+
+def isolate_network() -> bool:
+    """Move this (still single-threaded) process into a new network namespace with only loopback, up.
+
+    Browser tests then cannot reach, or be reached from, anything but this machine's own test servers. Returns
+    False, changing nothing, where namespaces are not allowed (no root, a container without CAP_SYS_ADMIN).
+    """
+    if os.environ.get(NETNS_ENV) == "1":
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    clone_newnet = 0x40000000
+    if libc.unshare(clone_newnet) != 0:
+        return False
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH22x", b"lo", 0)
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock, siocgifflags, request))[1]
+        fcntl.ioctl(sock, siocsifflags, struct.pack("16sH22x", b"lo", flags | iff_up))
+    os.environ[NETNS_ENV] = "1"  # for child processes and re-entry
+    return True
+
+
+class PageDriver:
+    """The gateway's page in a browser tab, read through its `window.voicemesh.state`."""
+
+    def __init__(self, page: Any) -> None:
+        self.page = page
+        self.console: list[str] = []
+        page.on("console", lambda message: self.console.append(f"{message.type}: {message.text}"))
+        page.on("pageerror", lambda error: self.console.append(f"pageerror: {error}"))
+
+    async def open(self, url: str) -> None:
+        await self.page.goto(url)
+        await self.page.click("#mic")
+
+    async def state(self) -> dict[str, Any]:
+        return await self.page.evaluate("JSON.parse(JSON.stringify(window.voicemesh.state))")
+
+    async def wait_until(self, expression: str, timeout_s: float) -> dict[str, Any]:
+        """Poll until `expression` (JavaScript over `s`, the page state) is true; AssertionError with the state."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = await self.state()
+            if await self.page.evaluate(f"(s) => Boolean({expression})", state):
+                return state
+            if time.monotonic() > deadline:
+                summary = {k: v for k, v in state.items() if k != "events"}
+                summary["last_events"] = [e.get("type") for e in state.get("events", [])][-15:]
+                raise AssertionError(
+                    f"page never reached `{expression}` in {timeout_s:.0f} s: {json.dumps(summary)[:3000]}\n"
+                    + "\n".join(self.console[-20:])
+                )
+            await asyncio.sleep(0.1)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return round(ordered[index], 1)
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "p50": _percentile(values, 50),
+        "p95": _percentile(values, 95),
+        "mean": round(statistics.fmean(values), 1),
+        "min": round(min(values), 1),
+        "max": round(max(values), 1),
+    }
+
+
+async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: float) -> dict[str, Any]:
+    from playwright.async_api import async_playwright
+
+    async with async_playwright() as playwright:
+        browser = await launch(playwright, wav)
+        try:
+            driver = PageDriver(await browser.new_page())
+            await driver.open(f"{url}?transport={transport}&max_tokens=20")
+            expression = f"Object.values(s.turns).filter((t) => t.v2v_ms > 0).length >= {turns}"
+            state = await driver.wait_until(expression, timeout_s)
+        finally:
+            await browser.close()
+    measured = [t for t in state["turns"].values() if t.get("v2v_ms", 0) > 0][:turns]
+    server = [t["metrics"]["v2v_ms"] for t in measured if t.get("metrics")]
+    downlink = [
+        t["played_ms"] - t["metrics"]["first_audio_sent_us"] / 1000
+        for t in measured
+        if t.get("metrics") and t["metrics"].get("first_audio_sent_us")
+    ]
+    return {
+        "transport": state["transport"],
+        "turns": len(measured),
+        "v2v_ms": _summary([t["v2v_ms"] for t in measured]),
+        "gateway_v2v_ms": _summary(server),
+        "downlink_and_buffer_ms": _summary(downlink),
+        "jitter_buffer": state["jitter"],
+        "user_texts": sorted({t["user_text"] for t in measured}),
+    }
+
+
+async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
+    from voicemesh.mesh import Mesh
+
+    ports = {name: _free_port() for name in ("asr", "llm", "tts", "gateway", "http")}
+    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-bench-browser-"))
+    for name in ("asr", "llm", "tts"):
+        mesh.start(name, ports[name])
+    mesh.start(
+        "gateway",
+        ports["gateway"],
+        [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")] + [f"--http-port={ports['http']}"],
+    )
+    workdir = Path(tempfile.mkdtemp(prefix="voicemesh-bench-browser-"))
+    questions = [read_wav(CLIPS / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "horizon")]
+    parts: list[Clip | float] = [1.0]
+    for clip in questions:
+        parts += [clip, 9.0]
+    wav = workdir / "questions.wav"
+    fake_mic_wav(wav, parts)
+    results: dict[str, Any] = {}
+    try:
+        await mesh.wait(timeout_s=240)
+        url = f"http://localhost:{ports['http']}/"
+        for transport in transports:
+            results[transport] = await measure(url, transport, wav, turns, timeout_s=60 + turns * 15)
+    finally:
+        mesh.stop_all()
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(turns: int = 10, transports: Sequence[str] = ("webrtc", "websocket")) -> dict[str, Any]:
+    return asyncio.run(run_async(turns, list(transports)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.browser", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--turns", type=int, default=10, help="turns measured per transport (default 10)")
+    parser.add_argument("--transports", default="webrtc,websocket", help="comma-separated (default both)")
+    args = parser.parse_args(argv)
+    reason = browser_missing()
+    if reason:
+        raise SystemExit(reason)
+    isolated = isolate_network()
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results = run(args.turns, args.transports.split(","))
+    output = {
+        "started": started,
+        "method": "first reply audio played in chromium - end of the fed WAV's speech, on the page's audio clock",
+        "network": "loopback-only namespace" if isolated else "host loopback",
+        "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+        "results": results,
+    }
+    json.dump(output, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
