@@ -65,6 +65,10 @@ def build(
     flags = flags or {}
     env = os.environ if env is None else env
     hints = typing.get_type_hints(cls)
+    known = {f"VOICEMESH_{prefix.upper()}_{field.name.upper()}" for field in dataclasses.fields(cls)}
+    unknown = sorted(k for k in env if k.startswith(f"VOICEMESH_{prefix.upper()}_") and k not in known)
+    if unknown:  # a typo in a deployment would otherwise be silently ignored
+        raise SystemExit(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
         raw = flags.get(field.name)

@@ -186,8 +186,6 @@ true
   value: {{ printf "%s/%s" $mount $modelPath | quote }}
 {{- end }}
 {{- else if eq .component "gateway" }}
-- name: {{ $prefix }}GRPC_PORT
-  value: {{ $c.port | quote }}
 - name: {{ $prefix }}HTTP_PORT
   value: {{ $c.httpPort | quote }}
 {{- range $backend := splitList " " (include "voicemesh.backends" .root) }}
