@@ -172,6 +172,21 @@ async def _talk(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _report(args: argparse.Namespace) -> int:
+    from voicemesh import report
+
+    if args.listen:
+        spans = await report.collect(args.listen, args.seconds)
+    elif args.files:
+        spans = report.read_jsonl(args.files)
+    else:
+        print("give JSONL span files or --listen HOST:PORT", file=sys.stderr)
+        return 2
+    summary = report.summarize_turns(spans)
+    print(json.dumps(summary, indent=2) if args.json else report.format_table(summary))
+    return 0
+
+
 async def _health(args: argparse.Namespace) -> int:
     try:
         await wait_healthy(args.target, args.timeout)
@@ -180,6 +195,12 @@ async def _health(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.target} SERVING")
     return 0
+
+
+async def _loadtest(args: argparse.Namespace) -> int:
+    from voicemesh import loadtest
+
+    return await loadtest.command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -226,12 +247,49 @@ def main(argv: Sequence[str] | None = None) -> None:
     talk.add_argument("--silence", type=float, default=4.0, help="seconds of silence streamed after the clip")
     talk.add_argument("--json", action="store_true")
 
+    report = sub.add_parser("report", help="p50/p95/p99/max of V2V and every stage, from spans")
+    report.add_argument("files", nargs="*", help="JSONL span files (the services' --trace-file)")
+    report.add_argument("--listen", default="", help="run an OTLP/gRPC receiver here instead, e.g. 127.0.0.1:4317")
+    report.add_argument("--seconds", type=float, default=60.0, help="how long the receiver collects")
+    report.add_argument("--json", action="store_true")
+
     health = sub.add_parser("health", help="exit 0 once a service reports SERVING")
     health.add_argument("--target", required=True)
     health.add_argument("--timeout", type=float, default=3.0)
 
+    load = sub.add_parser(
+        "loadtest",
+        help="N concurrent sessions of real speech against a gateway: V2V p50/p95/p99 per stage, HTML report",
+    )
+    load.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}", help="gateway HOST:PORT")
+    load.add_argument("--sessions", type=int, default=2, help="concurrent sessions")
+    load.add_argument("--turns", type=int, default=2, help="turns (clips spoken) per session")
+    load.add_argument("--audio", nargs="+", required=True, help="16-bit WAV files or directories of them")
+    load.add_argument("--transport", choices=("grpc", "ws"), default="grpc")
+    load.add_argument("--ramp-s", type=float, default=1.0, help="spread session starts over this many seconds")
+    load.add_argument("--duration-s", type=float, default=300.0, help="hard time limit for the whole test")
+    load.add_argument(
+        "--turn-timeout-s", type=float, default=30.0, help="a reply not done this long after its clip fails"
+    )
+    load.add_argument(
+        "--out", default=None, help="directory for the JSON and HTML report (default loadtest-results/TIME)"
+    )
+    load.add_argument("--sweep", default="", help="session counts, e.g. 1,2,4,8: find the largest within --budget-ms")
+    load.add_argument("--budget-ms", type=float, default=1500.0, help="p99 V2V budget for --sweep")
+    load.add_argument("--sweep-all", action="store_true", help="run every --sweep level, even past the budget")
+    load.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
+
     args = parser.parse_args(argv)
-    handlers = {"up": _up, "transcribe": _transcribe, "ask": _ask, "say": _say, "talk": _talk, "health": _health}
+    handlers = {
+        "up": _up,
+        "transcribe": _transcribe,
+        "ask": _ask,
+        "say": _say,
+        "talk": _talk,
+        "report": _report,
+        "health": _health,
+        "loadtest": _loadtest,
+    }
     try:
         code = asyncio.run(handlers[args.command](args))
     except KeyboardInterrupt:

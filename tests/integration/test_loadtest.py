@@ -1,0 +1,241 @@
+"""The load-test harness against the real local mesh, an unreachable target and gateways that fail."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from tests.conftest import SHARED_AUDIO, free_port, load_clip
+from voicemesh import cli
+from voicemesh.loadtest import STAGES, LoadTestOptions, loadtest, run_loadtest
+from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
+
+pytestmark = pytest.mark.integration
+
+CLIPS = ("spk1_snt1", "spk2_snt1")
+REPORT_KEYS = {
+    "config",
+    "wall_s",
+    "turns",
+    "throughput",
+    "v2v_ms",
+    "stages_ms",
+    "live_sessions",
+    "sessions",
+    "per_turn",
+    "files",
+    "percentile_method",
+}
+
+
+def clip_paths() -> tuple[str, ...]:
+    for name in CLIPS:
+        load_clip(name)  # skips the test where ../shared/audio is absent
+    return tuple(str(SHARED_AUDIO / f"{name}.wav") for name in CLIPS)
+
+
+def assert_complete(report: dict, out_dir: Path, sessions: int, turns: int) -> None:
+    """Every key, both files, and every planned turn either ok with a V2V or failed with a status."""
+    assert REPORT_KEYS <= set(report)
+    saved = json.loads((out_dir / "loadtest.json").read_text())
+    assert saved["turns"] == report["turns"] and len(saved["per_turn"]) == sessions * turns
+    html = (out_dir / "loadtest.html").read_text()
+    assert html.count("<svg") == 3
+    counts = report["turns"]
+    assert counts["planned"] == sessions * turns
+    assert counts["ok"] + counts["failed"] + counts["not_started"] == counts["planned"]
+    for turn in report["per_turn"]:
+        if turn["ok"]:
+            assert turn["v2v_ms"] is not None and turn["v2v_ms"] > 0, turn
+            assert set(turn["stages_ms"]) == set(STAGES)
+        else:
+            assert turn["status"] and turn["status"] != "OK" and turn["v2v_ms"] is None, turn
+    assert sum(counts["failed_by_error"].values()) == counts["failed"]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def gateway(services: dict[str, str]) -> AsyncIterator[str]:
+    from gateway.server import GatewaySettings, build_server
+
+    server = build_server(
+        GatewaySettings(
+            port=0,
+            asr_target=services["asr"],
+            llm_target=services["llm"],
+            tts_target=services["tts"],
+            drain_grace_s=1,
+        )
+    )
+    await server.start()
+    yield f"127.0.0.1:{server.port}"
+    await server.stop()
+
+
+async def test_two_sessions_of_two_turns_against_the_real_mesh(gateway: str, tmp_path: Path) -> None:
+    options = LoadTestOptions(target=gateway, sessions=2, turns=2, audio=clip_paths(), ramp_s=0.5, duration_s=120)
+    report = await loadtest(options, tmp_path)
+    assert_complete(report, tmp_path, sessions=2, turns=2)
+    assert report["turns"]["ok"] == 4, report["turns"]
+    assert report["v2v_ms"]["count"] == 4
+    assert report["v2v_ms"]["p50"] <= report["v2v_ms"]["p95"] <= report["v2v_ms"]["p99"] <= report["v2v_ms"]["max"]
+    for stage in ("endpoint", "asr_compute", "llm_first_token", "tts_first_audio"):
+        assert report["stages_ms"][stage]["p50"] > 0, stage
+    # Both sessions were live at once, and each spoke its clips in turn with a reply to each.
+    assert max(count for _, count in report["live_sessions"]) == 2
+    for turn in report["per_turn"]:
+        assert turn["user"] and turn["reply"] and not turn["interrupted"]
+        assert turn["first_audio_s"] > turn["speech_end_s"]
+    said = {(t["session"], t["turn"]): t["clip"] for t in report["per_turn"]}
+    assert said[(0, 0)] != said[(1, 0)], "sessions start on different clips"
+
+
+async def test_an_unreachable_target_gives_failed_turns_with_their_status(tmp_path: Path) -> None:
+    options = LoadTestOptions(target=f"127.0.0.1:{free_port()}", sessions=2, turns=3, audio=clip_paths(), ramp_s=0)
+    report = await loadtest(options, tmp_path)
+    assert_complete(report, tmp_path, sessions=2, turns=3)
+    assert report["turns"]["ok"] == 0
+    assert report["turns"]["failed_by_error"] == {"UNAVAILABLE": 6}
+    assert report["v2v_ms"]["p99"] is None
+
+
+def test_the_command_on_an_unreachable_target_exits_non_zero_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    port = free_port()
+    argv = ["loadtest", "--target", f"127.0.0.1:{port}", "--sessions", "1", "--turns", "1", "--ramp-s", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--audio", *clip_paths(), "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1
+    assert "UNAVAILABLE x1" in out and str(tmp_path / "loadtest.html") in out
+    assert "Traceback" not in out + err
+
+
+def test_the_command_refuses_a_remote_target_and_ws(capsys: pytest.CaptureFixture[str]) -> None:
+    for extra in (["--target", "192.0.2.10:50051"], ["--transport", "ws"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["loadtest", *extra, "--audio", *clip_paths()])
+        assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--allow-remote" in err and "ws is unavailable" in err
+
+
+class RefusingGateway(conversation_pb2_grpc.ConversationServicer):
+    """A gateway at its session limit."""
+
+    async def Converse(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this gateway is at its limit of 0 sessions")
+        yield conversation_pb2.ConverseEvent()
+
+
+class TtsDownGateway(conversation_pb2_grpc.ConversationServicer):
+    """Ends each turn (speech, then 10 silent frames) with a TTS error and metrics, but never any reply audio."""
+
+    async def Converse(self, request_iterator, context):
+        turn, speaking, silent, speech_end_us = 0, False, 0, 0
+        yield conversation_pb2.ConverseEvent(started=conversation_pb2.SessionStarted(session_id="fake"))
+        async for request in request_iterator:
+            if request.WhichOneof("request") != "frame":
+                continue
+            if any(request.frame.data):
+                speaking, silent, speech_end_us = True, 0, request.frame.capture_time_us
+                continue
+            silent += 1
+            if speaking and silent == 10:
+                speaking = False
+                error = conversation_pb2.SessionError(
+                    stage="tts", code="UNAVAILABLE", message="tts service: connection refused", recoverable=True
+                )
+                yield conversation_pb2.ConverseEvent(turn_index=turn, error=error)
+                metrics = conversation_pb2.TurnMetrics(speech_end_capture_us=speech_end_us, endpoint_ms=200)
+                yield conversation_pb2.ConverseEvent(turn_index=turn, metrics=metrics)
+                turn += 1
+
+
+@pytest.mark.parametrize(
+    ("servicer", "statuses"),
+    [(RefusingGateway, {"RESOURCE_EXHAUSTED": 4}), (TtsDownGateway, {"tts:UNAVAILABLE": 4})],
+)
+async def test_a_failing_gateway_gives_failed_turns_with_their_status(
+    servicer: type, statuses: dict[str, int], tmp_path: Path
+) -> None:
+    server = grpc.aio.server()
+    conversation_pb2_grpc.add_ConversationServicer_to_server(servicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        options = LoadTestOptions(
+            target=f"127.0.0.1:{port}", sessions=2, turns=2, audio=clip_paths(), ramp_s=0, pause_s=(0.1, 0.1)
+        )
+        report = await loadtest(options, tmp_path)
+    finally:
+        await server.stop(0)
+    assert_complete(report, tmp_path, sessions=2, turns=2)
+    assert report["turns"]["failed_by_error"] == statuses
+    details = {turn["detail"] for turn in report["per_turn"]}
+    assert all(details), "each failed turn says why"
+
+
+async def test_the_duration_limit_stops_the_test_and_fails_what_was_running(tmp_path: Path) -> None:
+    """A gateway that never answers: the test ends at its time limit, not at the turn timeout."""
+
+    class SilentGateway(conversation_pb2_grpc.ConversationServicer):
+        async def Converse(self, request_iterator, context):
+            async for _ in request_iterator:
+                pass
+            yield conversation_pb2.ConverseEvent()
+
+    server = grpc.aio.server()
+    conversation_pb2_grpc.add_ConversationServicer_to_server(SilentGateway(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        options = LoadTestOptions(target=f"127.0.0.1:{port}", sessions=1, turns=3, audio=clip_paths(), duration_s=4)
+        report = await loadtest(options, tmp_path)
+    finally:
+        await server.stop(0)
+    assert_complete(report, tmp_path, sessions=1, turns=3)
+    assert report["turns"]["failed_by_error"] == {"DURATION_LIMIT": 1}
+    assert report["turns"]["not_started"] == 2
+
+
+def test_run_loadtest_returns_a_json_serialisable_dict(tmp_path: Path) -> None:
+    options = LoadTestOptions(target=f"127.0.0.1:{free_port()}", sessions=1, turns=1, audio=clip_paths())
+    report = run_loadtest(options)
+    assert json.loads(json.dumps(report))["turns"]["failed_by_error"] == {"UNAVAILABLE": 1}
+
+
+class AbortingGateway(conversation_pb2_grpc.ConversationServicer):
+    """Reads a little audio, then ends the call with a status (a synchronous servicer: its own threads)."""
+
+    def Converse(self, request_iterator, context):
+        for count, _ in enumerate(request_iterator):
+            if count == 30:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a second SessionConfig was sent")
+        yield conversation_pb2.ConverseEvent()
+
+
+def test_the_command_against_a_call_that_fails_midway_ends_cleanly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
+    conversation_pb2_grpc.add_ConversationServicer_to_server(AbortingGateway(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["loadtest", "--target", f"127.0.0.1:{port}", "--audio", *clip_paths(), "--out", str(tmp_path)])
+    finally:
+        server.stop(0)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 1
+    assert "FAILED_PRECONDITION x4" in out
+    # Nothing left pending for the event loop to complain about on its way out.
+    noise = [r.getMessage() for r in caplog.records if r.name == "asyncio"]
+    assert not noise and "Traceback" not in err, noise
