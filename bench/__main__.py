@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from bench import pipeline, routing, services
+from voicemesh import loadtest
 
 
 def main() -> None:
@@ -20,6 +21,12 @@ def main() -> None:
     }
     results["pipeline_v2v"] = pipeline.run()
     results["llm_routing"] = routing.run()
+    audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
+    if audio.exists():
+        clips = tuple(str(audio / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "wizard", "horizon"))
+        options = loadtest.LoadTestOptions(target="", turns=2, audio=clips)
+        out = Path(__file__).resolve().parent / "results" / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
+        results["loadtest_sweep"] = loadtest.run_sweep(options, (1, 2, 4, 8), out_dir=out)
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
