@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/voicemesh/v1/*.proto)
 STUBS := voicemesh/v1/.generated
 
-.PHONY: setup run test unit integration bench lint format protos clean k8s-check
+.PHONY: setup run test unit integration bench lint format protos clean k8s-check browser
 
 setup: $(INSTALLED) $(STUBS)
 
@@ -31,8 +31,15 @@ protos: $(INSTALLED)
 run: setup
 	$(VENV)/bin/voicemesh up
 
-test: setup k8s-check
-	$(PY) -m pytest -q --ignore=tests/unit/test_k8s_chart.py
+test: setup k8s-check browser
+	$(PY) -m pytest -q --ignore=tests/unit/test_k8s_chart.py --ignore=tests/e2e
+	$(PY) -m tests.e2e -q  # in a loopback-only network namespace where the machine allows one
+
+# A real browser for tests/e2e: Debian's chromium (needs root for apt; without it the e2e tests skip, saying why).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	else echo "chromium missing and not root: run 'sudo apt-get install chromium' for the browser tests"; fi
 
 # The Helm chart and Dockerfiles, checked offline with their own tools (checkov pins ~100 packages, so they
 # live in their own venv rather than the service venv).

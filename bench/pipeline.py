@@ -16,12 +16,11 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 from voicemesh.audio import read_wav
 from voicemesh.conversation import talk
-from voicemesh.mesh import Mesh
+from voicemesh.mesh import local_mesh
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,14 +44,6 @@ MODES = {
     ),
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
 }
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -122,16 +113,8 @@ def run(
         return {"skipped": f"no clips under {CLIPS}"}
     if target:
         return asyncio.run(measure(target, modes, clips, rounds))
-    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-bench-"))
-    ports = {name: _free_port() for name in ("asr", "llm", "tts", "gateway")}
-    for name in ("asr", "llm", "tts"):
-        mesh.start(name, ports[name])
-    mesh.start("gateway", ports["gateway"], [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")])
-    try:
-        asyncio.run(mesh.wait())
-        return asyncio.run(measure(f"127.0.0.1:{ports['gateway']}", modes, clips, rounds))
-    finally:
-        mesh.stop_all()
+    with local_mesh("voicemesh-bench-") as gateway:
+        return asyncio.run(measure(gateway, modes, clips, rounds))
 
 
 def main() -> None:

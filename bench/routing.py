@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -19,7 +18,7 @@ import time
 
 from gateway.backends import Backends
 from voicemesh.loadstats import summarize
-from voicemesh.mesh import Mesh
+from voicemesh.mesh import Mesh, free_port
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 QUESTIONS = [
@@ -32,12 +31,6 @@ QUESTIONS = [
     "I want to cook something new for dinner.",
     "The train was late again this morning.",
 ]
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _request(session_id: str, turns: list[tuple[int, str]], max_tokens: int = 24) -> llm_pb2.GenerateRequest:
@@ -113,7 +106,7 @@ async def measure() -> dict[str, object]:
             budget = "0" if admission == "off" else "400"
             names = [f"llm-{admission}{i}" for i in range(2)]
             for name in names:
-                mesh.start(name, _port(), ["--replica", name, "--slots", "1", "--max-queue-wait-ms", budget])
+                mesh.start(name, free_port(), ["--replica", name, "--slots", "1", "--max-queue-wait-ms", budget])
             await mesh.wait(names=names)
             targets = [mesh.processes[n].target for n in names]
             backends = Backends("127.0.0.1:1", ",".join(targets), "127.0.0.1:1")

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import tempfile
 from pathlib import Path
 
 import pytest
 
 from voicemesh.audio import Clip, read_wav
-from voicemesh.mesh import Mesh
+from voicemesh.mesh import Mesh, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_AUDIO = ROOT.parent / "shared" / "audio"
@@ -24,12 +23,6 @@ TRANSCRIPTS = {
     "wizard": "He began a confused complaint against the wizard, who had vanished behind the curtain on the left.",
     "horizon": "The horizon seems extremely distant.",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def load_clip(name: str) -> Clip:

@@ -37,7 +37,10 @@ async def _up(args: argparse.Namespace) -> None:
     mesh.start(
         "gateway",
         ports["gateway"],
-        [f"--{name}-target=127.0.0.1:{ports[name]}" for name in ("asr", "llm", "tts")],
+        [
+            *(f"--{name}-target=127.0.0.1:{ports[name]}" for name in ("asr", "llm", "tts")),
+            f"--http-port={args.http_port}",
+        ],
     )
     print("starting ASR, LLM, TTS and the gateway, each its own process (models load in a few seconds)...", flush=True)
     try:
@@ -45,6 +48,7 @@ async def _up(args: argparse.Namespace) -> None:
         for name, port in ports.items():
             print(f"  {name:<8} grpc://127.0.0.1:{port}  SERVING", flush=True)
         print(
+            f"\nweb page:    http://127.0.0.1:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)"
             f"\ntalk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav --target 127.0.0.1:{ports['gateway']}\n"
             f"each stage:  voicemesh transcribe CLIP.wav --target 127.0.0.1:{ports['asr']}\n"
             f'             voicemesh ask "What is the capital of Spain?" --target 127.0.0.1:{ports["llm"]}\n'
@@ -217,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     up.add_argument("--llm-port", type=int, default=DEFAULT_PORTS["llm"])
     up.add_argument("--tts-port", type=int, default=DEFAULT_PORTS["tts"])
     up.add_argument("--gateway-port", type=int, default=DEFAULT_PORTS["gateway"])
+    up.add_argument("--http-port", type=int, default=8080, help="the gateway's web page and browser doors")
     up.add_argument("--log-dir", default=None, help="write each service's logs here instead of the terminal")
 
     tr = sub.add_parser("transcribe", help="stream a WAV into the ASR service")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import ipaddress
 import json
@@ -20,12 +19,11 @@ import os
 import platform
 import random
 import sys
-import tempfile
 import time
 import uuid
 import wave
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,7 +42,7 @@ from voicemesh.conversation import (
     UserTranscript,
     speech_frames,
 )
-from voicemesh.mesh import DEFAULT_PORTS, Mesh
+from voicemesh.mesh import DEFAULT_PORTS, local_mesh
 from voicemesh.v1 import conversation_pb2
 
 log = logging.getLogger(__name__)
@@ -650,34 +648,11 @@ def format_sweep(result: dict[str, object]) -> str:
 # ---- entry points for the CLI and `make bench` ---------------------------------------------------------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def local_mesh() -> Iterator[str]:
-    """ASR, LLM, TTS and a gateway as processes on free loopback ports; yields the gateway's target."""
-    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-loadtest-"))
-    ports = {name: _free_port() for name in ("asr", "llm", "tts", "gateway")}
-    for name in ("asr", "llm", "tts"):
-        mesh.start(name, ports[name])
-    mesh.start("gateway", ports["gateway"], [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")])
-    try:
-        asyncio.run(mesh.wait(timeout_s=240))
-        yield f"127.0.0.1:{ports['gateway']}"
-    finally:
-        mesh.stop_all()
-
-
 def run_loadtest(options: LoadTestOptions, out_dir: str | Path | None = None) -> dict[str, object]:
     """`loadtest` from synchronous code; an empty `options.target` starts (and stops) a local mesh for it."""
     if options.target:
         return asyncio.run(loadtest(options, out_dir))
-    with local_mesh() as target:
+    with local_mesh("voicemesh-loadtest-") as target:
         return asyncio.run(loadtest(dataclasses.replace(options, target=target), out_dir))
 
 
@@ -691,7 +666,7 @@ def run_sweep(
     """`sweep` from synchronous code; an empty `options.target` starts (and stops) a local mesh for it."""
     if options.target:
         return asyncio.run(sweep(options, levels, budget_ms, out_dir, stop_over_budget))
-    with local_mesh() as target:
+    with local_mesh("voicemesh-loadtest-") as target:
         return asyncio.run(
             sweep(dataclasses.replace(options, target=target), levels, budget_ms, out_dir, stop_over_budget)
         )

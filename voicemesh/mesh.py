@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -109,3 +112,26 @@ class Mesh:
                 process.popen.send_signal(signal.SIGTERM)
         for name in list(self.processes):
             self.stop(name)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def local_mesh(log_prefix: str = "voicemesh-") -> Iterator[str]:
+    """ASR, LLM, TTS and a gateway (no browser doors) as processes on free loopback ports; yields the gateway."""
+    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
+    ports = {name: free_port() for name in ("asr", "llm", "tts", "gateway")}
+    for name in ("asr", "llm", "tts"):
+        mesh.start(name, ports[name])
+    targets = [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")]
+    mesh.start("gateway", ports["gateway"], [*targets, "--http-port=-1"])
+    try:
+        asyncio.run(mesh.wait(timeout_s=240))
+        yield f"127.0.0.1:{ports['gateway']}"
+    finally:
+        mesh.stop_all()

@@ -214,3 +214,29 @@ async def test_tts_killed_and_restarted_mid_session(services) -> None:
     finally:
         await server.stop()
         mesh.stop_all()
+
+
+async def test_a_gateway_with_a_token_refuses_calls_without_it(services) -> None:
+    server = build_server(
+        GatewaySettings(
+            port=0,
+            http_port=-1,
+            auth_token="s3cret",
+            asr_target=services["asr"],
+            llm_target=services["llm"],
+            tts_target=services["tts"],
+        )
+    )
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(target(server)) as channel:
+            stub = conversation_pb2_grpc.ConversationStub(channel)
+            for metadata in (None, (("authorization", "Bearer wrong"),)):
+                call = stub.Converse(requests(_config(), hold=True), metadata=metadata)
+                await expect_error(call, grpc.StatusCode.UNAUTHENTICATED, "authorization: Bearer")
+            call = stub.Converse(requests(_config(), hold=True), metadata=(("authorization", "Bearer s3cret"),))
+            first = await anext(aiter(call))
+            assert first.WhichOneof("event") == "started"
+            call.cancel()
+    finally:
+        await server.stop()

@@ -70,7 +70,7 @@ def test_settings_from_flags_env_and_defaults() -> None:
     assert built.port == 7000 and built.cpu_threads == 1 and built.workers == 1
     with pytest.raises(SystemExit, match="VOICEMESH_ASR_WORKERS"):
         config.build(AsrSettings, "asr", {}, {"VOICEMESH_ASR_WORKERS": "many"})
-    with pytest.raises(SystemExit, match="unknown setting.*VOICEMESH_ASR_LANGUAGE"):
+    with pytest.raises(SystemExit, match=r"unknown setting.*VOICEMESH_ASR_LANGUAGE"):
         config.build(AsrSettings, "asr", {}, {"VOICEMESH_ASR_LANGUAGE": "en"})
 
 

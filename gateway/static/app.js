@@ -1,0 +1,541 @@
+// The voicemesh page: talk to the gateway from a browser. WebRTC first (Opus both ways, events on a data
+// channel); if ICE fails or is not connected within the gateway's timeout, the same session moves to the
+// WebSocket door (PCM16 frames, a jitter buffer here) and the conversation goes on.
+// Query options: transport=auto|webrtc|websocket, simulate=ice-blocked (drop ICE candidates, as a network that
+// blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1.
+
+const params = new URLSearchParams(location.search);
+const option = {
+  transport: params.get("transport") || "auto",
+  iceBlocked: params.get("simulate") === "ice-blocked",
+  maxTokens: Number(params.get("max_tokens") || 0),
+  systemPrompt: params.get("system_prompt") || "",
+  echoCancellation: params.get("aec") !== "0",
+  autostart: params.get("autostart") === "1",
+};
+const JITTER_START_MS = 160;
+const JITTER_MAX_MS = 800;
+const UNDERRUN_STEP_MS = 40;
+const HEADER_BYTES = 12; // <q time_us><I seq or turn_index>, little-endian
+
+const $ = (id) => document.getElementById(id);
+
+// Everything the page knows, also read by the browser tests and the browser benchmark.
+const state = {
+  status: "idle",
+  transport: null,
+  sessionId: null,
+  fallbackReason: null,
+  iceStates: [],
+  events: [],
+  turns: {}, // index -> {user_text, reply_text, played_ms, speech_end_ms, v2v_ms, metrics, interrupted}
+  speechEnds: [], // epoch ms of the ends of the user's speech, as the microphone heard them
+  playing: false,
+  interruptions: 0,
+  flushedMs: 0,
+  audioAfterInterrupt: 0,
+  interrupts: [], // {turn, at_ms, stopped_ms}: each barge-in, and when the reply stopped playing after it
+  // underruns: the audio ran out because it came late (the network); starved: because the gateway had none yet.
+  jitter: { jitterMs: 0, targetMs: JITTER_START_MS, underruns: 0, starved: 0, underrunTurns: [] },
+  error: null,
+  closed: null,
+};
+window.voicemesh = { state, start, stop, simulateNetworkLoss };
+
+let config = null; // /api/config
+let ctx = null;
+let micStream = null;
+let capture = null; // mic-capture node
+let player = null; // reply-player node
+let replyMeter = null; // level-meter on whatever plays the reply (the player, or the WebRTC track)
+let rtc = null; // {pc, channel}
+let ws = null;
+let uplinkSeq = 0;
+let lastTransit = null;
+let pendingUnderrun = null; // turn whose audio ran dry; its next frame tells who was late: network or gateway
+let stopping = false;
+
+// ---- clock: AudioContext time -> epoch milliseconds -------------------------------------------------------------
+function epochMsAt(contextTime) {
+  return performance.timeOrigin + performance.now() - (ctx.currentTime - contextTime) * 1000;
+}
+function playedEpochMs(contextTime) {
+  return epochMsAt(contextTime) + (ctx.outputLatency || ctx.baseLatency || 0) * 1000;
+}
+
+// ---- UI ----------------------------------------------------------------------------------------------------------
+function setStatus(text) {
+  state.status = text;
+  $("status").textContent = text;
+  $("mic").textContent = text === "idle" || text === "ended" || text === "error" ? "Start talking" : "Stop";
+  $("mic").setAttribute("aria-pressed", String(!["idle", "ended", "error"].includes(text)));
+}
+function setTransport(name, detail) {
+  state.transport = name;
+  $("transport").textContent = detail ? `${name} (${detail})` : name;
+  $("jitter").textContent = name === "webrtc" ? "WebRTC's own" : `${Math.round(state.jitter.targetMs)} ms`;
+}
+function showError(message) {
+  state.error = message;
+  $("error").textContent = message;
+  $("error").hidden = !message;
+}
+function turn(index) {
+  if (!state.turns[index]) {
+    state.turns[index] = { index, user_text: "", reply_text: "", transport: state.transport, interrupted: false };
+    const item = document.createElement("li");
+    item.id = `turn-${index}`;
+    item.innerHTML = '<p class="you"></p><p class="assistant"></p>';
+    $("conversation").append(item);
+  }
+  return state.turns[index];
+}
+function renderTurn(t) {
+  const item = $(`turn-${t.index}`);
+  item.querySelector(".you").textContent = t.user_text;
+  item.querySelector(".assistant").textContent = t.reply_text + (t.interrupted ? " —" : "");
+  $("reply").textContent = t.reply_text;
+}
+const ms = (value) => (value === undefined || value === null ? "" : Math.round(value));
+function renderLatency(t) {
+  let row = $(`latency-${t.index}`);
+  if (!row) {
+    row = document.createElement("tr");
+    row.id = `latency-${t.index}`;
+    $("latency").querySelector("tbody").append(row);
+  }
+  const m = t.metrics || {};
+  const cells = [
+    t.index,
+    t.transport,
+    ms(t.v2v_ms),
+    ms(m.v2v_ms),
+    t.transport === "webrtc" ? "–" : ms(m.upload_ms),
+    ms(m.endpoint_ms),
+    m.asr ? `${ms(m.asr.queue_ms)}+${ms(m.asr.compute_ms)}` : "",
+    m.llm ? `${ms(m.llm.queue_ms)}+${ms(m.llm.compute_ms)}` : "",
+    m.tts ? `${ms(m.tts.queue_ms)}+${ms(m.tts.compute_ms)}` : "",
+    ms(m.gateway_ms),
+    t.played_ms && m.first_audio_sent_us ? ms(t.played_ms - m.first_audio_sent_us / 1000) : "",
+  ];
+  row.replaceChildren(...cells.map((value) => Object.assign(document.createElement("td"), { textContent: value })));
+}
+
+// ---- events (the same for both transports) ----------------------------------------------------------------------
+function onEvent(message) {
+  state.events.push(message);
+  const t = message.turn_index;
+  switch (message.type) {
+    case "started":
+      state.sessionId = message.session_id;
+      setStatus("listening");
+      break;
+    case "user_partial":
+      $("partial").textContent = message.text;
+      break;
+    case "user_final":
+      $("partial").textContent = "";
+      turn(t).user_text = message.text;
+      renderTurn(turn(t));
+      break;
+    case "reply_text":
+      turn(t).reply_text += message.text_delta;
+      renderTurn(turn(t));
+      break;
+    case "reply_done":
+      if (player) player.port.postMessage({ type: "end", turn: t });
+      if (state.transport === "websocket" && !state.jitter.underrunTurns.includes(t)) {
+        // A reply that the network did not starve: ease the target back toward what the jitter asks for.
+        setJitterTarget(Math.max(jitterFloorMs(), state.jitter.targetMs - UNDERRUN_STEP_MS / 2));
+      }
+      break;
+    case "interrupted":
+      state.interruptions += 1;
+      state.interrupts.push({ turn: t, at_ms: Date.now(), stopped_ms: state.playing ? null : Date.now() });
+      turn(t).interrupted = true;
+      renderTurn(turn(t));
+      if (player) player.port.postMessage({ type: "flush" });
+      break;
+    case "metrics":
+      turn(t).metrics = message;
+      renderLatency(turn(t));
+      break;
+    case "error":
+      showError(`${message.code}: ${message.message}`);
+      break;
+    case "closed": // the gateway ended the WebRTC session
+      onClosed(message.code, message.reason);
+      break;
+  }
+}
+
+function onPlayed(index, playedMs) {
+  const t = turn(index);
+  if (t.played_ms) return;
+  t.played_ms = playedMs;
+  const before = state.speechEnds.filter((end) => end < playedMs);
+  if (before.length) {
+    t.speech_end_ms = before[before.length - 1];
+    t.v2v_ms = playedMs - t.speech_end_ms;
+  }
+  renderLatency(t);
+  if (state.transport === "webrtc") {
+    // WebRTC hides when a packet arrived; the gateway's downlink stage then includes the browser's jitter buffer.
+    sendControl({ type: "report", turn_index: index, first_audio_received_us: Math.round(playedMs * 1000) });
+  }
+}
+
+function sendControl(message) {
+  const text = JSON.stringify(message);
+  if (state.transport === "webrtc" && rtc && rtc.channel.readyState === "open") rtc.channel.send(text);
+  else if (state.transport === "websocket" && ws && ws.readyState === WebSocket.OPEN) ws.send(text);
+  else return false;
+  return true;
+}
+
+function onClosed(code, reason) {
+  if (state.closed) return;
+  state.closed = { code, reason };
+  if (code !== 1000 && code !== 4409) showError(reason || `closed (${code})`);
+  teardown();
+  setStatus(code === 1000 ? "ended" : "error");
+}
+
+// ---- audio graph ----------------------------------------------------------------------------------------------
+async function openAudio() {
+  ctx = new AudioContext({ sampleRate: 48000, latencyHint: "interactive" });
+  await ctx.audioWorklet.addModule("/static/worklets.js");
+  await ctx.resume();
+  micStream = await navigator.mediaDevices.getUserMedia({
+    audio: {
+      channelCount: 1,
+      echoCancellation: option.echoCancellation,
+      noiseSuppression: true,
+      autoGainControl: true,
+    },
+  });
+  capture = new AudioWorkletNode(ctx, "mic-capture", { numberOfOutputs: 0 });
+  ctx.createMediaStreamSource(micStream).connect(capture);
+  capture.port.onmessage = (event) => onCapture(event.data);
+  player = new AudioWorkletNode(ctx, "reply-player", {
+    numberOfInputs: 0,
+    outputChannelCount: [1],
+    processorOptions: { targetMs: JITTER_START_MS },
+  });
+  player.connect(ctx.destination);
+  player.port.onmessage = (event) => onPlayer(event.data);
+  // "Played" means audible, for both transports alike: the reply's first loud render block (128 samples).
+  replyMeter = new AudioWorkletNode(ctx, "level-meter", { numberOfOutputs: 0 });
+  player.connect(replyMeter);
+  replyMeter.port.onmessage = (event) => onReplyLevel(event.data);
+}
+
+function onReplyLevel(message) {
+  setPlaying(message.type === "active");
+  if (message.type !== "active") return;
+  const pending = Object.values(state.turns).filter((t) => t.user_text && !t.played_ms && !t.interrupted);
+  if (pending.length) onPlayed(pending[pending.length - 1].index, playedEpochMs(message.t));
+}
+
+function onCapture(message) {
+  if (message.type === "speech_end") {
+    state.speechEnds.push(epochMsAt(message.t));
+  } else if (message.type === "frame" && ws && ws.readyState === WebSocket.OPEN && state.transport === "websocket") {
+    const data = new ArrayBuffer(HEADER_BYTES + message.pcm.byteLength);
+    const view = new DataView(data);
+    view.setBigInt64(0, BigInt(Math.round(epochMsAt(message.t) * 1000)), true);
+    view.setUint32(8, uplinkSeq++, true);
+    new Int16Array(data, HEADER_BYTES).set(message.pcm);
+    ws.send(data);
+  }
+}
+
+function onPlayer(message) {
+  if (message.type === "started") {
+    turn(message.turn).first_sample_ms = playedEpochMs(message.t);
+  } else if (message.type === "underrun") {
+    pendingUnderrun = message.turn;
+  } else if (message.type === "flushed") {
+    state.flushedMs += (message.samples / ctx.sampleRate) * 1000;
+  }
+}
+
+function setPlaying(playing) {
+  state.playing = playing;
+  if (playing) return;
+  for (const interrupt of state.interrupts) if (interrupt.stopped_ms === null) interrupt.stopped_ms = Date.now();
+}
+
+function setJitterTarget(targetMs) {
+  const clamped = Math.min(JITTER_MAX_MS, Math.max(JITTER_START_MS, targetMs));
+  if (Math.abs(clamped - state.jitter.targetMs) < 1) return;
+  state.jitter.targetMs = clamped;
+  player.port.postMessage({ type: "target", ms: clamped });
+  $("jitter").textContent = `${Math.round(clamped)} ms`;
+}
+
+// The buffer target: never below what the measured jitter asks for; up by a step at each underrun that the
+// network caused; down by half a step after each reply that played through without running dry. When the gateway
+// itself had no audio yet (synthesis behind real time), a bigger buffer would only delay every later reply.
+function jitterFloorMs() {
+  return JITTER_START_MS + 4 * state.jitter.jitterMs;
+}
+
+// Interarrival jitter as in RFC 3550 (smoothed |change in transit time|).
+function measureJitter(sentUs) {
+  const transit = performance.timeOrigin + performance.now() - sentUs / 1000;
+  if (lastTransit !== null) {
+    const lateMs = transit - lastTransit; // this frame's extra delay over the previous one's
+    state.jitter.jitterMs += (Math.abs(lateMs) - state.jitter.jitterMs) / 16;
+    if (pendingUnderrun !== null) {
+      if (lateMs > 20) {
+        state.jitter.underruns += 1;
+        state.jitter.underrunTurns.push(pendingUnderrun);
+        setJitterTarget(state.jitter.targetMs + UNDERRUN_STEP_MS);
+      } else {
+        state.jitter.starved += 1;
+      }
+    }
+    if (jitterFloorMs() > state.jitter.targetMs) setJitterTarget(jitterFloorMs());
+  }
+  pendingUnderrun = null;
+  lastTransit = transit;
+}
+
+// ---- WebRTC ------------------------------------------------------------------------------------------------------
+class Refused extends Error {}
+
+function stripCandidates(sdp) {
+  return sdp
+    .split("\r\n")
+    .filter((line) => !line.startsWith("a=candidate") && !line.startsWith("a=end-of-candidates"))
+    .join("\r\n");
+}
+
+function reportIce(iceState) {
+  state.iceStates.push(iceState);
+  fetch("/api/ice-state", {
+    method: "POST",
+    headers: { "Content-Type": "application/json" },
+    body: JSON.stringify({ session_id: state.sessionId, state: iceState }),
+  }).catch(() => {});
+}
+
+function gathered(pc, timeoutMs) {
+  return new Promise((resolve) => {
+    if (pc.iceGatheringState === "complete") return resolve();
+    const timer = setTimeout(resolve, timeoutMs);
+    pc.addEventListener("icegatheringstatechange", () => {
+      if (pc.iceGatheringState === "complete") {
+        clearTimeout(timer);
+        resolve();
+      }
+    });
+  });
+}
+
+// Resolves when the connection is up, rejects on failure or after `timeoutMs`.
+function connected(pc, channel, timeoutMs) {
+  return new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`not connected after ${timeoutMs / 1000} s`)), timeoutMs);
+    const check = () => {
+      if (pc.connectionState === "connected" && channel.readyState === "open") {
+        clearTimeout(timer);
+        resolve();
+      } else if (pc.connectionState === "failed" || pc.iceConnectionState === "failed") {
+        clearTimeout(timer);
+        reject(new Error("ICE failed"));
+      }
+    };
+    pc.addEventListener("connectionstatechange", check);
+    pc.addEventListener("iceconnectionstatechange", check);
+    channel.addEventListener("open", check);
+    check();
+  });
+}
+
+async function startWebRtc() {
+  setTransport("webrtc", "connecting");
+  const pc = new RTCPeerConnection({ iceServers: config.ice_servers });
+  const channel = pc.createDataChannel("events", { ordered: true });
+  rtc = { pc, channel };
+  pc.addTransceiver(micStream.getAudioTracks()[0], { direction: "sendrecv", streams: [micStream] });
+  channel.onmessage = (event) => onEvent(JSON.parse(event.data));
+  pc.ontrack = (event) => playRemote(event.streams[0] || new MediaStream([event.track]));
+  // Once up, a connection that fails (the network changed, a firewall woke up) moves to WebSocket too.
+  const failedAfterConnecting = () => {
+    const failed = pc.iceConnectionState === "failed" || pc.connectionState === "failed";
+    if (failed && rtc && rtc.pc === pc && rtc.connected) fallBack("the WebRTC connection failed");
+  };
+  pc.oniceconnectionstatechange = () => {
+    reportIce(pc.iceConnectionState);
+    failedAfterConnecting();
+  };
+  pc.onconnectionstatechange = failedAfterConnecting;
+  await pc.setLocalDescription(await pc.createOffer());
+  await gathered(pc, 2000);
+  const timeoutMs = config.webrtc_connect_timeout_s * 1000;
+  const started = performance.now();
+  let response;
+  try {
+    response = await fetch("/api/offer", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({
+        type: "offer",
+        sdp: option.iceBlocked ? stripCandidates(pc.localDescription.sdp) : pc.localDescription.sdp,
+        config: sessionConfig(),
+      }),
+    });
+  } catch (error) {
+    throw new Error(`the offer did not reach the gateway: ${error.message}`);
+  }
+  const body = await response.json().catch(() => ({}));
+  if (!response.ok) {
+    const refusal = body.error || {};
+    throw new Refused(`${refusal.code || response.status}: ${refusal.message || "the gateway refused the offer"}`);
+  }
+  state.sessionId = body.session_id;
+  await pc.setRemoteDescription({ type: "answer", sdp: option.iceBlocked ? stripCandidates(body.sdp) : body.sdp });
+  await connected(pc, channel, Math.max(0, timeoutMs - (performance.now() - started)));
+  rtc.connected = true;
+  setTransport("webrtc");
+}
+
+function playRemote(stream) {
+  const audio = $("remote");
+  audio.srcObject = stream;
+  audio.play().catch(() => {});
+  // WebRTC's own jitter buffer plays it; a copy goes to the meter, which tells when the reply is heard.
+  rtc.remoteSource = ctx.createMediaStreamSource(stream);
+  rtc.remoteSource.connect(replyMeter);
+}
+
+function closeWebRtc() {
+  if (!rtc) return;
+  if (rtc.remoteSource) rtc.remoteSource.disconnect();
+  rtc.pc.close();
+  rtc = null;
+  $("remote").srcObject = null;
+}
+
+// ---- WebSocket ---------------------------------------------------------------------------------------------------
+function startWebSocket(fallback) {
+  setTransport("websocket", fallback ? "fallback" : "");
+  uplinkSeq = 0;
+  lastTransit = null;
+  return new Promise((resolve, reject) => {
+    const scheme = location.protocol === "https:" ? "wss" : "ws";
+    ws = new WebSocket(`${scheme}://${location.host}/api/ws`);
+    ws.binaryType = "arraybuffer";
+    ws.onopen = () => {
+      ws.send(JSON.stringify({ type: "start", config: sessionConfig(), fallback }));
+      resolve();
+    };
+    ws.onmessage = (event) => {
+      if (typeof event.data === "string") {
+        onEvent(JSON.parse(event.data));
+        return;
+      }
+      const view = new DataView(event.data);
+      const sentUs = Number(view.getBigInt64(0, true));
+      const turnIndex = view.getUint32(8, true);
+      if (state.turns[turnIndex] && state.turns[turnIndex].interrupted) {
+        state.audioAfterInterrupt += 1;
+        return;
+      }
+      measureJitter(sentUs);
+      const t = turn(turnIndex);
+      if (!t.received_ms) {
+        t.received_ms = performance.timeOrigin + performance.now();
+        const receivedUs = Math.round(t.received_ms * 1000);
+        sendControl({ type: "report", turn_index: turnIndex, first_audio_received_us: receivedUs });
+      }
+      const pcm = new Int16Array(event.data.slice(HEADER_BYTES));
+      player.port.postMessage({ type: "frame", turn: turnIndex, pcm }, [pcm.buffer]);
+    };
+    ws.onerror = () => reject(new Error("the WebSocket could not connect"));
+    ws.onclose = (event) => onClosed(event.code, event.reason || (stopping ? "" : "the connection closed"));
+  });
+}
+
+// ---- session -----------------------------------------------------------------------------------------------------
+function sessionConfig() {
+  const options = {};
+  if (option.maxTokens) options.max_tokens = option.maxTokens;
+  return {
+    session_id: state.sessionId,
+    input_sample_rate_hz: ctx.sampleRate,
+    output_sample_rate_hz: ctx.sampleRate,
+    system_prompt: option.systemPrompt,
+    options,
+  };
+}
+
+async function fallBack(reason) {
+  if (state.transport === "websocket") return;
+  state.fallbackReason = reason;
+  const iceState = rtc ? rtc.pc.iceConnectionState : "none";
+  closeWebRtc();
+  console.info(`voicemesh: WebRTC ${reason}; continuing over WebSocket`);
+  try {
+    await startWebSocket({ reason, ice_state: iceState });
+  } catch (error) {
+    showError(error.message);
+    setStatus("error");
+  }
+}
+
+async function start() {
+  if (!["idle", "ended", "error"].includes(state.status)) return;
+  showError("");
+  state.closed = null;
+  stopping = false;
+  setStatus("connecting");
+  try {
+    config = await (await fetch("/api/config")).json();
+    if (!ctx) await openAudio();
+    state.sessionId = state.sessionId || crypto.randomUUID().replaceAll("-", "").slice(0, 16);
+    const useWebRtc = option.transport !== "websocket" && "RTCPeerConnection" in window;
+    if (!useWebRtc) {
+      await startWebSocket(null);
+      return;
+    }
+    try {
+      await startWebRtc();
+    } catch (error) {
+      if (error instanceof Refused || option.transport === "webrtc") throw error;
+      await fallBack(error.message);
+    }
+  } catch (error) {
+    closeWebRtc();
+    showError(error.message);
+    setStatus("error");
+  }
+}
+
+function stop() {
+  if (["idle", "ended", "error"].includes(state.status)) return;
+  stopping = true;
+  setStatus("finishing");
+  if (!sendControl({ type: "stop" })) onClosed(1000, "");
+}
+
+function teardown() {
+  closeWebRtc();
+  if (ws) {
+    ws.onclose = null;
+    ws.close();
+    ws = null;
+  }
+  if (player) player.port.postMessage({ type: "flush" });
+}
+
+// A network that kills WebRTC mid-conversation (for trying the fallback by hand, and for the browser tests).
+function simulateNetworkLoss() {
+  if (state.transport === "webrtc") fallBack("connection lost (simulated)");
+}
+
+$("mic").addEventListener("click", () => (["idle", "ended", "error"].includes(state.status) ? start() : stop()));
+setStatus("idle");
+if (option.autostart) start();

@@ -1,0 +1,278 @@
+"""The WebRTC door's media side (aiortc): one peer connection per browser session.
+
+The page's microphone arrives as an Opus track, decoded to 48 kHz and cut into 20 ms PCM16 frames for the session;
+reply audio goes back on an Opus track that plays the session's frames at real time (silence in between) and drops
+what is queued on barge-in; events go to the page as JSON on the "events" RTCDataChannel the page opens, and the
+page sends its control messages ({"type": "stop"}, {"type": "report", ...}) there too, as on the WebSocket.
+Signalling (POST /api/offer) is in gateway/web.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fractions
+import json
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import aioice.ice
+import av
+from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
+
+from voicemesh.audio import Framer, samples_per_frame
+from voicemesh.clients import epoch_us
+from voicemesh.errors import RequestError
+
+if TYPE_CHECKING:
+    from gateway.server import GatewaySettings
+    from gateway.web import BrowserSession
+
+log = logging.getLogger(__name__)
+
+INPUT_RATE_HZ = 48000  # Opus decodes at 48 kHz: the session takes the mic at that rate, no resampling here
+EVENTS_CHANNEL = "events"
+CLOSE_DRAIN_S = 10.0
+MAX_PENDING_EVENTS = 1000  # events held until the data channel opens
+ICE_SCHEMES = ("stun:", "turn:", "turns:")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+ANY_HOSTS = ("0.0.0.0", "::", "")
+
+
+@dataclasses.dataclass(frozen=True)
+class WebRtcOptions:
+    """The WebRTC settings of a gateway, parsed once."""
+
+    ice_servers: list[RTCIceServer]
+    page_ice_servers: list[dict[str, Any]]
+    """The same servers in the page's RTCConfiguration form."""
+    host_addresses: list[str] | None
+    """ICE host candidates the gateway offers; None = aioice's choice (every interface but loopback)."""
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings) -> WebRtcOptions:
+        servers = parse_ice_servers(settings.ice_servers)
+        addresses: list[str] | None
+        if settings.ice_host_addresses.strip():
+            addresses = [a.strip() for a in settings.ice_host_addresses.split(",") if a.strip()]
+        elif settings.host in ANY_HOSTS:
+            addresses = None
+        elif settings.host in LOOPBACK_HOSTS:
+            addresses = ["127.0.0.1"]
+        else:
+            addresses = [settings.host]
+        return cls(
+            ice_servers=[RTCIceServer(**server) for server in servers],
+            page_ice_servers=servers,
+            host_addresses=addresses,
+        )
+
+    def install(self) -> None:
+        """Offer `host_addresses` as ICE host candidates.
+
+        aioice leaves loopback out, so a gateway bound to 127.0.0.1 (the local default, and the only address in a
+        loopback-only test network) would offer the browser nothing to connect to. aioice has no option for it,
+        so its address discovery is replaced for this process (one gateway per process).
+        """
+        if self.host_addresses is not None:
+            addresses = list(self.host_addresses)
+            aioice.ice.get_host_addresses = lambda use_ipv4, use_ipv6: list(addresses)
+
+
+def parse_ice_servers(raw: str) -> list[dict[str, Any]]:
+    """The ice_servers setting (JSON list of {urls, username?, credential?}); SystemExit naming the problem."""
+    try:
+        servers = json.loads(raw or "[]")
+    except ValueError as error:
+        raise SystemExit(f'setting ice_servers: not JSON ({error}); e.g. [{{"urls": "stun:host:3478"}}]') from error
+    if not isinstance(servers, list):
+        raise SystemExit("setting ice_servers: expected a JSON list of {urls, username, credential}")
+    parsed = []
+    for server in servers:
+        if not isinstance(server, dict) or "urls" not in server:
+            raise SystemExit(f"setting ice_servers: {server!r} has no 'urls'")
+        urls = server["urls"] if isinstance(server["urls"], list) else [server["urls"]]
+        for url in urls:
+            if not isinstance(url, str) or not url.startswith(ICE_SCHEMES):
+                raise SystemExit(f"setting ice_servers: {url!r} is not a stun:, turn: or turns: URL")
+            if url.startswith(("turn:", "turns:")) and not (server.get("username") and server.get("credential")):
+                raise SystemExit(f"setting ice_servers: TURN server {url} needs a username and a credential")
+        entry: dict[str, Any] = {"urls": urls}
+        for key in ("username", "credential"):
+            if server.get(key):
+                entry[key] = str(server[key])
+        parsed.append(entry)
+    return parsed
+
+
+class ReplyTrack(MediaStreamTrack):
+    """The reply as an audio track: the session's PCM16 at real time, 20 ms per frame, silence when there is none."""
+
+    kind = "audio"
+
+    def __init__(self, rate_hz: int) -> None:
+        super().__init__()
+        self.rate_hz = rate_hz
+        self._samples = samples_per_frame(rate_hz)
+        self._frame_bytes = self._samples * 2
+        self._pending = bytearray()
+        self._start_s: float | None = None
+        self._pts = 0
+
+    @property
+    def queued_frames(self) -> int:
+        return -(-len(self._pending) // self._frame_bytes)
+
+    def push(self, pcm16: bytes) -> None:
+        self._pending += pcm16
+
+    def flush(self) -> int:
+        """Drop every queued frame (barge-in); returns how many."""
+        dropped = self.queued_frames
+        self._pending.clear()
+        return dropped
+
+    async def recv(self) -> av.AudioFrame:
+        if self.readyState != "live":
+            raise MediaStreamError
+        if self._start_s is None:
+            self._start_s = time.monotonic()
+        else:
+            self._pts += self._samples
+            delay = self._start_s + self._pts / self.rate_hz - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        chunk = bytes(self._pending[: self._frame_bytes])
+        del self._pending[: self._frame_bytes]
+        frame = av.AudioFrame(format="s16", layout="mono", samples=self._samples)
+        frame.planes[0].update(chunk + b"\x00" * (self._frame_bytes - len(chunk)))
+        frame.pts = self._pts
+        frame.sample_rate = self.rate_hz
+        frame.time_base = fractions.Fraction(1, self.rate_hz)
+        return frame
+
+
+class WebRtcPeer:
+    """One browser's peer connection, as the Transport of its BrowserSession."""
+
+    def __init__(self, options: WebRtcOptions, browser: BrowserSession) -> None:
+        self.browser = browser
+        self.session_id = browser.session_id
+        # Always a list: given None, aiortc falls back to a public STUN server, which a gateway must not call
+        # unless its operator configured it.
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(options.ice_servers)))
+        self.reply = ReplyTrack(browser.session.options.output_rate_hz)
+        self._channel: Any = None
+        self._pending: list[str] = []
+        self._ended = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.pc.on("track", self._on_track)
+        self.pc.on("datachannel", self._on_datachannel)
+        self.pc.on("iceconnectionstatechange", self._on_ice_state)
+        self.pc.on("connectionstatechange", self._on_connection_state)
+
+    async def answer(self, offer_sdp: str) -> RTCSessionDescription:
+        """Answer the page's offer; all candidates are gathered before returning (no trickle ICE)."""
+        if "m=audio" not in offer_sdp:
+            raise ValueError("the offer has no audio: add the microphone track before creating it")
+        try:
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            # After the remote description, so the reply rides on the page's (sendrecv) audio transceiver.
+            self.pc.addTrack(self.reply)
+            await self.pc.setLocalDescription(await self.pc.createAnswer())
+        except (ValueError, KeyError, IndexError, AttributeError) as error:
+            raise ValueError(str(error) or type(error).__name__) from error
+        return self.pc.localDescription
+
+    async def input_ended(self) -> None:
+        """Returns when the page's side is gone: the connection failed or closed, or the mic track ended."""
+        await self._ended.wait()
+
+    # ---- Transport ----------------------------------------------------------------------------------------------
+    async def send_json(self, message: dict[str, Any]) -> None:
+        text = json.dumps(message)
+        if self._channel is not None and self._channel.readyState == "open":
+            if self.pc.connectionState == "connected":  # not into a connection that is going down
+                self._channel.send(text)
+        elif len(self._pending) < MAX_PENDING_EVENTS:
+            self._pending.append(text)
+
+    async def send_audio(self, pcm16: bytes, turn_index: int) -> None:
+        self.reply.push(pcm16)
+
+    def flush_audio(self) -> int:
+        return self.reply.flush()
+
+    async def close(self, code: int, reason: str) -> None:
+        if code == 1000 and self.pc.connectionState == "connected":
+            deadline = time.monotonic() + CLOSE_DRAIN_S
+            while self.reply.queued_frames and not self._ended.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)  # a finished reply plays to its end
+        await self.send_json({"type": "closed", "code": code, "reason": reason})
+        if self._channel is not None and self._channel.readyState == "open":
+            for _ in range(25):  # SCTP sends asynchronously: give the last message a moment to leave
+                if not self._channel.bufferedAmount:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)
+        await self.pc.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ---- events -------------------------------------------------------------------------------------------------
+    def _spawn(self, coroutine: Any) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_track(self, track: MediaStreamTrack) -> None:
+        if track.kind == "audio":
+            self._spawn(self._read_mic(track))
+
+    async def _read_mic(self, track: MediaStreamTrack) -> None:
+        resampler = av.AudioResampler(format="s16", layout="mono", rate=INPUT_RATE_HZ)
+        framer = Framer(INPUT_RATE_HZ)
+        try:
+            while True:
+                frame = await track.recv()
+                for mono in resampler.resample(frame):
+                    for pcm16 in framer.push(mono.to_ndarray().tobytes()):
+                        # aiortc surfaces neither the browser's capture clock nor RTCP sender reports, so the
+                        # gateway's receipt time stands in for the capture time: WebRTC turns report upload_ms = 0
+                        # and the gateway's V2V starts at receipt (the page measures the whole of it).
+                        self.browser.push_audio(pcm16, epoch_us())
+        except MediaStreamError:
+            log.info("microphone track ended", extra={"session_id": self.session_id})
+        except RequestError as error:
+            log.warning("microphone frame refused", extra={"session_id": self.session_id, "reason": error.message})
+        self._ended.set()
+
+    def _on_datachannel(self, channel: Any) -> None:
+        if channel.label != EVENTS_CHANNEL:
+            return
+        self._channel = channel
+        pending, self._pending = self._pending, []
+        for text in pending:
+            channel.send(text)
+
+        @channel.on("message")
+        def on_message(message: object) -> None:
+            try:
+                control = json.loads(message) if isinstance(message, str) else None
+            except ValueError:
+                control = None
+            self._spawn(self.browser.control(control))
+
+    def _on_ice_state(self) -> None:
+        log.info(
+            "ICE state", extra={"session_id": self.session_id, "side": "gateway", "state": self.pc.iceConnectionState}
+        )
+
+    def _on_connection_state(self) -> None:
+        state = self.pc.connectionState
+        log.info("WebRTC connection state", extra={"session_id": self.session_id, "state": state})
+        if state in ("failed", "closed"):
+            self._ended.set()

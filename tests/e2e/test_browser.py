@@ -1,0 +1,171 @@
+"""The page in a real browser (Debian chromium, a real-speech WAV as its microphone) against the whole mesh:
+a turn over WebRTC, the automatic move to WebSocket when WebRTC fails, barge-in, and refusals shown to the user.
+
+`python -m tests.e2e` runs these in a loopback-only network namespace.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.server import GatewaySettings, build_server
+from tests.conftest import free_port, load_clip
+from tests.e2e.conftest import page_talking
+
+TURN_TIMEOUT_S = 60.0
+
+# A turn is complete for the page once the user's words are transcribed and the reply has been heard.
+HEARD = "Object.values(s.turns).some((t) => t.user_text && t.reply_text && t.played_ms > 0)"
+
+
+def heard_turns(state: dict) -> list[dict]:
+    return [t for t in state["turns"].values() if t.get("user_text") and t.get("played_ms")]
+
+
+async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(playwright, web_gateway) -> None:
+    async with page_talking(playwright, web_gateway, [1.0, load_clip("spk1_snt1"), 12.0]) as page:
+        state = await page.wait_until(HEARD, TURN_TIMEOUT_S)
+        shown = await page.page.inner_text("#conversation")
+        latency_rows = await page.page.locator("#latency tbody tr").count()
+        await page.page.click("#mic")  # stop: the gateway lets the reply finish, then ends the session
+        ended = await page.wait_until("s.status === 'ended'", TURN_TIMEOUT_S)
+    assert state["transport"] == "webrtc" and state["fallbackReason"] is None
+    assert "connected" in state["iceStates"]
+    kinds = {e["type"] for e in state["events"]}
+    assert {"started", "user_partial", "user_final", "reply_text"} <= kinds
+    turn = heard_turns(state)[0]
+    assert "child" in turn["user_text"].lower() and "child" in shown.lower()
+    assert turn["reply_text"].strip() and turn["reply_text"].strip()[:20] in shown
+    assert turn["v2v_ms"] > 0, "the page measured voice-to-voice for the turn"
+    assert latency_rows >= 1
+    assert ended["closed"]["code"] == 1000 and not ended["error"]
+
+
+async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_completes_a_turn(
+    playwright, web_gateway
+) -> None:
+    # The candidates are dropped, as a network that blocks UDP would: ICE never connects, the timeout fires.
+    microphone = [4.0, load_clip("spk1_snt1"), 12.0]
+    async with page_talking(playwright, web_gateway, microphone, "?simulate=ice-blocked") as page:
+        state = await page.wait_until(f"s.transport === 'websocket' && {HEARD}", TURN_TIMEOUT_S)
+    assert state["fallbackReason"], "the page says why it left WebRTC"
+    assert state["error"] in (None, ""), state["error"]
+    turn = heard_turns(state)[0]
+    assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
+    history = web_gateway.servicer.histories.get(state["sessionId"])
+    assert history and history[0] == ("user", turn["user_text"])
+
+
+async def test_a_conversation_that_loses_webrtc_goes_on_over_websocket_with_its_history(
+    playwright, web_gateway
+) -> None:
+    async with page_talking(playwright, web_gateway, [1.0, load_clip("spk2_snt1"), 11.0]) as page:
+        first = await page.wait_until(HEARD, TURN_TIMEOUT_S)
+        assert first["transport"] == "webrtc"
+        await page.wait_until("Object.values(s.turns).some((t) => t.metrics)", TURN_TIMEOUT_S)
+        await page.page.evaluate("window.voicemesh.simulateNetworkLoss()")
+        state = await page.wait_until(
+            "s.transport === 'websocket' && Object.values(s.turns).some((t) => t.index >= 1 && t.played_ms && t.metrics)",
+            2 * TURN_TIMEOUT_S,
+        )
+    started = [e for e in state["events"] if e["type"] == "started"]
+    assert len(started) == 2 and started[1]["session_id"] == started[0]["session_id"] == state["sessionId"]
+    assert started[1]["history_turns"] >= 1, "the WebSocket session continued the WebRTC one's history"
+    history = web_gateway.servicer.histories.get(state["sessionId"])
+    assert [role for role, _ in history][:4] == ["user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("transport", ["webrtc", "websocket"])
+async def test_barge_in_from_the_page_stops_the_reply(playwright, web_gateway, transport) -> None:
+    # Two questions with short pauses, on a loop: sooner or later the user talks while a reply plays, however
+    # fast or slow the replies come on this machine.
+    microphone = [0.5, load_clip("spk1_snt1"), 1.5, load_clip("wizard"), 1.5]
+    barged = "s.interrupts.some((i) => i.stopped_ms && s.turns[i.turn] && s.turns[i.turn].played_ms)"
+    async with page_talking(playwright, web_gateway, microphone, f"?transport={transport}") as page:
+        state = await page.wait_until(barged, 2 * TURN_TIMEOUT_S)
+    assert state["transport"] == transport
+    interrupt = next(
+        i for i in state["interrupts"] if i["stopped_ms"] and state["turns"][str(i["turn"])].get("played_ms")
+    )
+    interrupted = state["turns"][str(interrupt["turn"])]
+    assert interrupted["interrupted"], "the page marked the reply as interrupted"
+    assert state["audioAfterInterrupt"] == 0, "no audio of an interrupted reply reached the page afterwards"
+    assert any(e["type"] == "interrupted" and e["turn_index"] == interrupt["turn"] for e in state["events"])
+
+
+@pytest.mark.parametrize("query", ["", "?transport=websocket"])
+async def test_a_full_gateway_tells_the_user_why(playwright, query) -> None:
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    settings = GatewaySettings(port=0, asr_target=dead[0], llm_target=dead[1], tts_target=dead[2], max_sessions=0)
+    server = build_server(settings)
+    await server.start()
+    try:
+        async with page_talking(playwright, server, [1.0], query) as page:
+            state = await page.wait_until("s.status === 'error'", 20)
+            shown = await page.page.inner_text("#error")
+    finally:
+        await server.stop()
+    assert "limit of 0 sessions" in state["error"] and "limit of 0 sessions" in shown
+    assert state["fallbackReason"] is None, "a refusal is not a network failure: no fallback"
+
+
+# The page's reply player, driven directly: 20 ms frames of a tone posted as the WebSocket door would.
+PLAYER_SCRIPT = """
+async () => {
+  const ctx = new AudioContext({ sampleRate: 48000 });
+  await ctx.audioWorklet.addModule("/static/worklets.js");
+  await ctx.resume();
+  const player = new AudioWorkletNode(ctx, "reply-player", {
+    numberOfInputs: 0, outputChannelCount: [1], processorOptions: { targetMs: 100 },
+  });
+  player.connect(ctx.destination);
+  const seen = [];
+  player.port.onmessage = (event) => seen.push(event.data);
+  const frames = (turn, count) => {
+    for (let i = 0; i < count; i++) {
+      const pcm = new Int16Array(960).fill(3000);
+      player.port.postMessage({ type: "frame", turn, pcm }, [pcm.buffer]);
+    }
+  };
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  const waitFor = async (match) => {
+    for (let i = 0; i < 200 && !seen.some(match); i++) await sleep(25);
+    return seen.some(match);
+  };
+  const until = (type, turn) => waitFor((m) => m.type === type && (turn === undefined || m.turn === turn));
+  const result = {};
+  frames(0, 4); // 80 ms: under the 100 ms target
+  await sleep(400);
+  result.startedBelowTarget = seen.some((m) => m.type === "started");
+  frames(0, 1); // 100 ms: playback starts, plays it out, then runs dry mid-reply
+  result.startedAtTarget = await until("started", 0);
+  result.underrun = await until("underrun", 0);
+  frames(1, 2); // 40 ms of a reply that is complete: it plays without waiting for the target
+  player.port.postMessage({ type: "end", turn: 1 });
+  result.shortCompleteReplyPlayed = await until("started", 1);
+  const startedAt = seen.findIndex((m) => m.type === "started" && m.turn === 1);
+  await waitFor((m) => m.type === "state" && !m.playing && seen.indexOf(m) > startedAt); // that reply played out
+  player.port.postMessage({ type: "target", ms: 2000 });
+  frames(2, 50); // one second, under the new target: held back
+  await sleep(300);
+  result.heldBack = !seen.some((m) => m.type === "started" && m.turn === 2);
+  player.port.postMessage({ type: "flush" });
+  result.flushedMs = (await until("flushed")) ? seen.find((m) => m.type === "flushed").samples / 48 : 0;
+  return result;
+}
+"""
+
+
+async def test_the_reply_player_buffers_to_its_target_reports_underruns_and_flushes(
+    playwright, offline_gateway
+) -> None:
+    async with page_talking(playwright, offline_gateway, [1.0], press_mic=False) as page:
+        result = await page.page.evaluate(PLAYER_SCRIPT)
+    assert result == {
+        "startedBelowTarget": False,
+        "startedAtTarget": True,
+        "underrun": True,
+        "shortCompleteReplyPlayed": True,
+        "heldBack": True,
+        "flushedMs": 1000,
+    }
