@@ -22,11 +22,11 @@ async def expect_error(call: AsyncIterator[object], code: grpc.StatusCode, *word
 
 
 async def requests(*messages: object, hold: bool = False) -> AsyncIterator[object]:
-    """Send `messages`; with `hold`, keep the stream open afterwards (the server ends the call)."""
+    """Send `messages`; with `hold`, keep the stream open a while afterwards (the server ends the call)."""
     for message in messages:
         yield message
     if hold:
-        await asyncio.Event().wait()
+        await asyncio.sleep(5)  # long enough for the server to end the call; short enough to leave no pending task
 
 
 async def requests_from(messages: Iterable[object]) -> AsyncIterator[object]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -224,6 +225,8 @@ class AbortingGateway(conversation_pb2_grpc.ConversationServicer):
 def test_the_command_against_a_call_that_fails_midway_ends_cleanly(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    gc.collect()  # tasks left by earlier tests in this process die now, not during this test
+    caplog.clear()
     server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=4))
     conversation_pb2_grpc.add_ConversationServicer_to_server(AbortingGateway(), server)
     port = server.add_insecure_port("127.0.0.1:0")
