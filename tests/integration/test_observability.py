@@ -14,17 +14,7 @@ from voicemesh.conversation import talk
 from voicemesh.mesh import Mesh
 
 pytestmark = pytest.mark.integration
-STAGES = (
-    "upload",
-    "endpoint",
-    "asr.queue",
-    "asr.compute",
-    "llm.queue",
-    "llm.first_token",
-    "tts.queue",
-    "tts.first_audio",
-    "downlink",
-)
+STAGES = report.STAGES
 
 
 async def test_one_trace_per_turn_across_processes_and_metrics(tmp_path) -> None:
