@@ -36,7 +36,9 @@ class GatewaySettings(config.ServerSettings):
     tts_target: str = config.setting("127.0.0.1:50063", "TTS replicas: host:port[,host:port] or dns:///name:port")
     max_sessions: int = config.setting(64, "concurrent sessions; more are refused with RESOURCE_EXHAUSTED")
     auth_token: str = config.setting(
-        "", "if set, gRPC clients must send metadata `authorization: Bearer <token>` (empty = no auth)"
+        "",
+        "if set, clients must send `authorization: Bearer <token>` (gRPC metadata or HTTP header; the page "
+        "passes it as ?token=); empty = no auth",
     )
     remembered_sessions: int = config.setting(10_000, "histories kept for reconnects (least recently used go first)")
     http_port: int = config.setting(

@@ -61,16 +61,22 @@ CLOSE_REASON_BYTES = 123  # the WebSocket limit; the full message goes in the er
 CLOSE_OK = 1000
 CLOSE_GOING_AWAY = 1001
 CLOSE_BAD_REQUEST = 4400
+CLOSE_UNAUTHENTICATED = 4401
 CLOSE_ORIGIN = 4403
 CLOSE_IDLE = 4408
 CLOSE_TAKEN_OVER = 4409
 CLOSE_FULL = 4429
 CLOSE_CODES = {
+    grpc.StatusCode.UNAUTHENTICATED: CLOSE_UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED: CLOSE_ORIGIN,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CLOSE_FULL,
     grpc.StatusCode.DEADLINE_EXCEEDED: CLOSE_IDLE,
 }
-HTTP_STATUS = {grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.RESOURCE_EXHAUSTED: 503}
+HTTP_STATUS = {
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+}
 
 
 class OriginPolicy:
@@ -509,6 +515,7 @@ class WebDoor:
         """WebRTC signalling: the page's SDP offer in, the gateway's answer out (non-trickle ICE)."""
         try:
             self.origins.check(request.headers.get("Origin"), request.host)
+            self.servicer.check_token(_authorization(request))
             try:
                 body = await request.json()
             except ValueError as error:
@@ -538,6 +545,7 @@ class WebDoor:
         await ws.prepare(request)
         try:
             self.origins.check(request.headers.get("Origin"), request.host)
+            self.servicer.check_token(_authorization(request))
             start = await _start_message(ws)
             session = await self.servicer.open_session(_session_config(start.get("config")), door="websocket")
         except RequestError as error:
@@ -565,6 +573,12 @@ class WebDoor:
             log.exception("browser session failed", extra={"session_id": browser.session_id, "door": browser.door})
         finally:
             self._browsers.discard(browser)
+
+
+def _authorization(request: web.Request) -> str:
+    """The `Authorization` header, or `?token=` (a browser cannot set headers on a WebSocket)."""
+    token = request.query.get("token")
+    return f"Bearer {token}" if token else request.headers.get("Authorization", "")
 
 
 def _error_response(error: RequestError) -> web.Response:

@@ -5,6 +5,11 @@
 // blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1.
 
 const params = new URLSearchParams(location.search);
+// A gateway started with an auth token wants it: open the page as /?token=... and it is sent along.
+function authHeader() {
+  const token = params.get("token");
+  return token ? { Authorization: `Bearer ${token}` } : {};
+}
 const option = {
   transport: params.get("transport") || "auto",
   iceBlocked: params.get("simulate") === "ice-blocked",
@@ -380,7 +385,7 @@ async function startWebRtc() {
   try {
     response = await fetch("/api/offer", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers: { "Content-Type": "application/json", ...authHeader() },
       body: JSON.stringify({
         type: "offer",
         sdp: option.iceBlocked ? stripCandidates(pc.localDescription.sdp) : pc.localDescription.sdp,
@@ -426,7 +431,8 @@ function startWebSocket(fallback) {
   lastTransit = null;
   return new Promise((resolve, reject) => {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    ws = new WebSocket(`${scheme}://${location.host}/api/ws`);
+    const token = params.get("token");
+    ws = new WebSocket(`${scheme}://${location.host}/api/ws${token ? `?token=${encodeURIComponent(token)}` : ""}`);
     ws.binaryType = "arraybuffer";
     ws.onopen = () => {
       ws.send(JSON.stringify({ type: "start", config: sessionConfig(), fallback }));

@@ -273,6 +273,27 @@ async def test_a_foreign_origin_is_refused_with_its_reason(offline_gateway) -> N
     assert status == 403 and "https://evil.example" in body["error"]["message"]
 
 
+async def test_a_gateway_with_a_token_refuses_browsers_without_it() -> None:
+    server = await start_offline_gateway(auth_token="s3cret")
+    try:
+        async with aiohttp.ClientSession() as client:
+            refused = await client.ws_connect(http(server, "/api/ws"))
+            error = json.loads((await refused.receive()).data)
+            closing = await refused.receive()
+            allowed = await client.ws_connect(http(server, "/api/ws?token=s3cret"))
+            await allowed.send_str(json.dumps({"type": "start", "config": {"input_sample_rate_hz": RATE_HZ}}))
+            started = json.loads((await allowed.receive()).data)
+            await allowed.close()
+            offer = {"type": "offer", "sdp": "v=0", "config": {}}
+            async with client.post(http(server, "/api/offer"), json=offer) as reply:
+                offer_status = reply.status
+        assert error["code"] == "UNAUTHENTICATED" and closing.data == 4401
+        assert started["type"] == "started"
+        assert offer_status == 401
+    finally:
+        await server.stop()
+
+
 @pytest.mark.parametrize(
     ("first", "words"),
     [
