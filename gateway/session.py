@@ -41,6 +41,10 @@ FINISH_TIMEOUT_S = 60.0
 ROLE = {"user": llm_pb2.ROLE_USER, "assistant": llm_pb2.ROLE_ASSISTANT}
 
 
+class TtsDown(Exception):
+    """The session's TTS stream is down (being reconnected): a reply cannot be spoken now."""
+
+
 class State(enum.Enum):
     LISTENING = "listening"
     THINKING = "thinking"
@@ -346,7 +350,11 @@ class Session:
             await stream.aclose()  # cancels the call: frees the LLM slot at once
             raise
         except grpc.aio.AioRpcError as error:
+            await stream.aclose()
             self._report("llm", error)
+            self._fail(reply)
+        except TtsDown:
+            await stream.aclose()  # no voice to speak it with: stop generating now
             self._fail(reply)
 
     def _tts_text(self, reply: Reply, text: str) -> None:
@@ -358,9 +366,7 @@ class Session:
 
     def _tts_send(self, request: tts_pb2.SynthesizeRequest) -> None:
         if self._tts_queue is None:
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "the TTS stream is down"
-            )
+            raise TtsDown  # the TTS loop has reported the outage and is reconnecting
         self._tts_queue.put_nowait(request)
 
     def _discard(self, reply: Reply) -> None:
