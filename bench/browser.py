@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from voicemesh.audio import Clip, float_to_pcm16, read_wav, write_wav
+from voicemesh.loadstats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -156,18 +157,12 @@ class PageDriver:
             await asyncio.sleep(0.1)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return round(ordered[index], 1)
-
-
 def _summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     return {
-        "p50": _percentile(values, 50),
-        "p95": _percentile(values, 95),
+        "p50": round(percentile(values, 50), 1),
+        "p95": round(percentile(values, 95), 1),
         "mean": round(statistics.fmean(values), 1),
         "min": round(min(values), 1),
         "max": round(max(values), 1),
@@ -205,9 +200,9 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
 
 
 async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
-    from voicemesh.mesh import Mesh
+    from voicemesh.mesh import Mesh, free_port
 
-    ports = {name: _free_port() for name in ("asr", "llm", "tts", "gateway", "http")}
+    ports = {name: free_port() for name in ("asr", "llm", "tts", "gateway", "http")}
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-bench-browser-"))
     for name in ("asr", "llm", "tts"):
         mesh.start(name, ports[name])
@@ -232,12 +227,6 @@ async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
     finally:
         mesh.stop_all()
     return results
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run(turns: int = 10, transports: Sequence[str] = ("webrtc", "websocket")) -> dict[str, Any]:

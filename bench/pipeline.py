@@ -20,6 +20,7 @@ from pathlib import Path
 
 from voicemesh.audio import read_wav
 from voicemesh.conversation import talk
+from voicemesh.loadstats import percentile
 from voicemesh.mesh import local_mesh
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
@@ -44,12 +45,6 @@ MODES = {
     ),
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
 }
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return round(ordered[index], 1)
 
 
 async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> dict[str, object] | None:
@@ -87,8 +82,8 @@ async def measure(target: str, modes: list[str], clips: list[str], rounds: int) 
         summary[mode] = {
             "turns": len(v2v),
             "failed_turns": failed[mode],
-            "v2v_p50_ms": _percentile(v2v, 50) if v2v else None,
-            "v2v_p95_ms": _percentile(v2v, 95) if v2v else None,
+            "v2v_p50_ms": round(percentile(v2v, 50), 1) if v2v else None,
+            "v2v_p95_ms": round(percentile(v2v, 95), 1) if v2v else None,
             "v2v_max_ms": max(v2v) if v2v else None,
             "stage_medians_ms": stages,
             "speculative_used": sum(1 for r in rows[mode] if r["speculative_used"]),
