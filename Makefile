@@ -16,8 +16,12 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # llama-cpp-python compiles from source on first install (~10 min on 2 cores); pip caches the wheel after.
+# Built for this CPU (-march=native) but without AMX: in VMs whose hypervisor does not enable AMX tile state
+# (Firecracker, seen on this project's machines) llama.cpp's first AMX matmul dies with SIGSEGV at ldtilecfg.
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$(NO_AMX)" "-DCMAKE_CXX_FLAGS=$(NO_AMX)"
 $(INSTALLED): pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e '.[local,dev]'
+	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' $(PY) -m pip install --quiet -e '.[local,dev]'
 	touch $@
 
 $(STUBS): $(PROTOS) $(INSTALLED)
