@@ -17,7 +17,7 @@ class EndpointingPolicy:
     hangover_ms: int = 300
     """Silence after speech that commits the end of the turn."""
     min_speech_ms: int = 96
-    """Speech needed to open a turn; shorter blips (clicks, breaths) are ignored."""
+    """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
 
 
 class Event(enum.Enum):
@@ -41,6 +41,7 @@ class Endpointer:
         self.candidate = False
         self._speech_run_ms = 0
         self._silence_ms = 0
+        self._blip_ms = 0  # speech windows inside a pause, too short (so far) to end it
         self._speaking = False
         self.now_ms = 0
         self.speech_start_ms = 0
@@ -74,9 +75,17 @@ class Endpointer:
                     self.speech_end_ms = self.now_ms
                     return Event.SPEECH_STARTED
                 return None
-            self._silence_ms = 0
+            if self._silence_ms == 0:  # no pause open: the speaker is talking
+                self.speech_end_ms = self.now_ms
+                return None
+            # A pause is open. Only speech of min_speech_ms closes it; a shorter blip (a click, a breath, one
+            # window of Silero wavering) stops the pause's clock and, if it dies out, counts as pause.
+            if self._speech_run_ms < self.policy.min_speech_ms:
+                self._blip_ms += self.window_ms
+                return None
+            self._silence_ms = self._blip_ms = 0
             self.speech_end_ms = self.now_ms
-            if self.candidate and self._speech_run_ms >= self.policy.min_speech_ms:
+            if self.candidate:
                 self.candidate = False
                 return Event.SPEECH_RESUMED
             return None
@@ -87,7 +96,8 @@ class Endpointer:
         self._speech_run_ms = 0
         if not self.in_turn:
             return None
-        self._silence_ms += self.window_ms
+        self._silence_ms += self._blip_ms + self.window_ms
+        self._blip_ms = 0
         if self._silence_ms >= self.policy.hangover_ms:
             self.in_turn = False
             self.candidate = False

@@ -59,3 +59,30 @@ def test_quiet_windows_end_speech_even_when_the_vad_lags() -> None:
     for _ in range(10):
         endpointer.push(0.9)
     assert endpointer.push(0.8, quiet=True) is Event.SILENCE_STARTED
+
+
+def test_a_blip_inside_a_pause_does_not_restart_the_hangover() -> None:
+    # spk2_snt1 has one 32 ms window of Silero wavering 100 ms after the sentence: it is pause, not speech.
+    endpointer = Endpointer(EndpointingPolicy(), window_ms=32)
+    events = []
+    for p in [0.9] * 10 + [0.0] * 3 + [0.9] + [0.0] * 12:
+        event = endpointer.push(p)
+        if event:
+            events.append((endpointer.now_ms, event))
+    assert [e for _, e in events] == [
+        Event.SPEECH_STARTED,
+        Event.SILENCE_STARTED,
+        Event.ENDPOINT_CANDIDATE,
+        Event.END_OF_TURN,
+    ]
+    speech_end = 10 * 32
+    assert events[-1][0] == speech_end + 320  # the blip counted as pause: ten 32 ms windows >= 300 ms
+    assert endpointer.speech_end_ms == speech_end
+
+
+def test_the_pause_clock_stops_while_speech_may_be_resuming() -> None:
+    # spk1_snt1's "hurt ... the small dog": 224 ms of pause, then speech that takes 96 ms to confirm.
+    events = run([0.9] * 10 + [0.0] * 7 + [0.9] * 10 + [0.0] * 12)
+    kinds = [e for _, e in events]
+    assert kinds.count(Event.END_OF_TURN) == 1 and kinds[-1] is Event.END_OF_TURN
+    assert Event.SPEECH_RESUMED in kinds
