@@ -1,9 +1,10 @@
 """Voice-to-voice latency of the whole mesh, three pipelines side by side in one run (same clips, same models):
 
-  (a) naive:    wait for 200 ms of trailing silence, transcribe the whole clip with a 30 s window, generate the
-                whole reply, synthesize the whole reply, then send;
+  (a) naive:    wait for 200 ms of trailing silence, then transcribe the whole clip with a 30 s window, generate
+                the whole reply, synthesize the whole reply, then send;
   (b) sentence: the same endpointing and ASR, but LLM deltas stream into TTS per sentence, audio streams out;
-  (c) all on:   speculative start at the first silence, trimmed ASR window, word chunking (k=2), streaming.
+  (c) all on:   the gateway's defaults: final ASR pass on the trimmed window started at the first silence,
+                speculative start on the endpoint candidate, word chunking (k=2), streaming.
 
 V2V per turn = first reply audio frame received by the client - send time of the clip's last speech frame.
 Modes are interleaved round by round so drift in machine load hits all alike. `python -m bench.pipeline`.
@@ -34,6 +35,7 @@ MODES = {
         speculative_start=False,
         tts_chunking=tts_pb2.CHUNKING_POLICY_WHOLE,
         asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
+        asr_final_at_silence=False,
         buffer_whole_reply=True,
         endpointing=NAIVE_ENDPOINTING,
     ),
@@ -41,6 +43,7 @@ MODES = {
         speculative_start=False,
         tts_chunking=tts_pb2.CHUNKING_POLICY_SENTENCE,
         asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
+        asr_final_at_silence=False,
         endpointing=NAIVE_ENDPOINTING,
     ),
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults

@@ -24,6 +24,8 @@ class PipelineOptions:
     """Words of lookahead for word chunking."""
     asr_decode_window: int = asr_pb2.DECODE_WINDOW_TRIMMED
     """Window of the ASR final pass."""
+    asr_final_at_silence: bool = True
+    """The ASR starts its final pass at the first silence, so it is done when the hangover commits the turn."""
     barge_in: bool = True
     """User speech over the reply interrupts it."""
     barge_in_min_speech_ms: int = 200
@@ -33,10 +35,13 @@ class PipelineOptions:
     buffer_whole_reply: bool = False
     """Baseline: whole LLM reply, then whole synthesis, then send (no streaming between stages)."""
     endpointing: asr_pb2.EndpointingConfig = field(
-        default_factory=lambda: asr_pb2.EndpointingConfig(candidate_silence_ms=64, hangover_ms=300)
+        default_factory=lambda: asr_pb2.EndpointingConfig(candidate_silence_ms=32, hangover_ms=288)
     )
-    """End-of-turn detection for the ASR. A reply starts (unheard) 64 ms into a pause; the turn commits after
-    300 ms of silence. 200 ms commits mid-sentence on ordinary pauses (spk1_snt1's "hurt ... the small dog")."""
+    """End-of-turn detection for the ASR, in its 32 ms VAD windows. A reply starts (unheard) at the first silent
+    window; the turn commits after 9 silent windows (288 ms) and only then is the reply heard. The hangover is
+    the floor of voice-to-voice latency, so it is as short as keeps sentences whole: spk1_snt1 pauses ~230 ms
+    inside "hurt ... the small dog", which 256 ms splits at 5 of 8 window alignments and 288 ms at none.
+    Speakers who pause longer need a longer hangover (per session: options.endpointing)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,9 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
         tts_chunking=given.tts_chunking or default.tts_chunking,
         tts_lookahead_words=lookahead,
         asr_decode_window=given.asr_decode_window or default.asr_decode_window,
+        asr_final_at_silence=given.asr_final_at_silence
+        if given.HasField("asr_final_at_silence")
+        else default.asr_final_at_silence,
         barge_in=given.barge_in if given.HasField("barge_in") else default.barge_in,
         barge_in_min_speech_ms=barge_ms,
         max_tokens=max_tokens,

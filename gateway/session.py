@@ -111,6 +111,9 @@ class Session:
         self._asr_queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] | None = None
         self._asr_seq = 0
         self._asr_base_ms = 0.0
+        # Frames that arrive before the first ASR stream is up wait here (a turn's first words are not lost).
+        # After an outage, frames are dropped instead: replaying them would answer what was said long ago.
+        self._asr_backlog: collections.deque[audio_pb2.AudioFrame] | None = collections.deque(maxlen=500)
         self._tts_queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] | None = None
         self._utterance_ids = 0
         self._replies: dict[int, Reply] = {}
@@ -138,19 +141,25 @@ class Session:
         while len(self._receipt_us) > 500:  # 10 s of frames: far more than an endpoint looks back
             self._receipt_us.popitem(last=False)
         self._audio_ms += len(frame.data) / 2 * 1000 / self.options.input_rate_hz
+        forwarded = audio_pb2.AudioFrame()
+        forwarded.CopyFrom(frame)
+        forwarded.capture_time_us = capture_us
         if self._asr_queue is not None:
-            forwarded = audio_pb2.AudioFrame()
-            forwarded.CopyFrom(frame)
-            forwarded.seq = self._asr_seq
-            forwarded.capture_time_us = capture_us
-            self._asr_seq += 1
-            self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(frame=forwarded))
+            self._forward(forwarded)
+        elif self._asr_backlog is not None:
+            self._asr_backlog.append(forwarded)  # the session's first ASR stream is still connecting
         if (
             self._barge_start_ms is not None
             and self._audio_ms - self._barge_start_ms >= self.pipeline.barge_in_min_speech_ms
         ):
             self._barge_start_ms = None
             self._interrupt()
+
+    def _forward(self, frame: audio_pb2.AudioFrame) -> None:
+        assert self._asr_queue is not None
+        frame.seq = self._asr_seq
+        self._asr_seq += 1
+        self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(frame=frame))
 
     async def finish(self) -> None:
         """The user's side ended: flush the ASR, let the last reply play out, then end the event stream."""
@@ -185,6 +194,7 @@ class Session:
                 interim_results=True,
                 endpointing=self.pipeline.endpointing,
                 decode_window=self.pipeline.asr_decode_window,
+                final_after_end_of_turn=not self.pipeline.asr_final_at_silence,
                 skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
             )
             target = self.backends.pick("asr")
@@ -194,6 +204,10 @@ class Session:
                     _drain(queue, asr_pb2.RecognizeRequest(config=config))
                 )
                 self._asr_queue, self._asr_seq, self._asr_base_ms = queue, 0, self._audio_ms
+                backlog, self._asr_backlog = self._asr_backlog or (), None
+                for frame in backlog:
+                    self._asr_base_ms -= len(frame.data) / 2 * 1000 / self.options.input_rate_hz
+                    self._forward(frame)
                 self._recovered("asr")
                 with self.backends.streaming("asr", target):
                     async for event in call:

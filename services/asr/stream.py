@@ -93,7 +93,8 @@ class RecognitionStream:
             self._last_partial_ms = ep.now_ms
             self._send(speech_started=asr_pb2.SpeechStarted())
         elif event is Event.SILENCE_STARTED:
-            self._start_draft()
+            if not self.config.final_after_end_of_turn:
+                self._start_draft()
         elif event is Event.ENDPOINT_CANDIDATE:
             if self._draft is None:
                 self._start_draft()
@@ -104,7 +105,7 @@ class RecognitionStream:
                 self._candidate_emitted = False
                 self._send(speech_resumed=asr_pb2.SpeechResumed())
         elif event is Event.END_OF_TURN:
-            if self._draft is None:
+            if self._draft is None or self.config.final_after_end_of_turn:
                 self._start_draft()
             self._commit()
 

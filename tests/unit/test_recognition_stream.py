@@ -1,0 +1,73 @@
+"""When the ASR stream starts its final pass: at the first silence (default) or only at the end of the turn."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from services.asr.endpointing import EndpointingPolicy
+from services.asr.engine import Transcript
+from services.asr.stream import RecognitionStream
+from services.asr.vad import WINDOW_SAMPLES
+from voicemesh.v1 import asr_pb2, audio_pb2
+from voicemesh.workers import WorkerPool
+
+SPEECH_WINDOWS = 20
+PAUSE_WINDOWS = 12
+
+
+class FakeVad:
+    """Speech for the first SPEECH_WINDOWS windows, then silence."""
+
+    def __init__(self) -> None:
+        self.windows = 0
+
+    def probability(self, window: np.ndarray) -> float:
+        self.windows += 1
+        return 0.9 if self.windows <= SPEECH_WINDOWS else 0.0
+
+
+class FakeTranscriber:
+    """Records at which VAD window each decode was asked for."""
+
+    def __init__(self, vad: FakeVad) -> None:
+        self.vad = vad
+        self.calls: list[int] = []
+
+    def transcribe(self, audio: np.ndarray, trimmed: bool = True, word_timestamps: bool = True) -> Transcript:
+        self.calls.append(self.vad.windows)
+        return Transcript(text="hello there.")
+
+
+async def _run(final_after_end_of_turn: bool) -> tuple[list[int], list[str]]:
+    vad = FakeVad()
+    transcriber = FakeTranscriber(vad)
+    events: list[asr_pb2.RecognizeEvent] = []
+    config = asr_pb2.RecognitionConfig(
+        session_id="s", sample_rate_hz=16000, final_after_end_of_turn=final_after_end_of_turn
+    )
+    policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256)
+    stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)  # type: ignore[arg-type]
+    # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
+    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
+        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(0.01)  # let decodes run between windows, as they would in real time
+    await stream.drain()
+    return transcriber.calls, [e.WhichOneof("event") for e in events]
+
+
+async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:
+    calls, kinds = await _run(final_after_end_of_turn=False)
+    assert calls[0] == SPEECH_WINDOWS + 1  # during the hangover, so the final is ready when the turn commits
+    assert kinds.count("final") == 1 and "endpoint_candidate" in kinds
+
+
+async def test_baseline_final_pass_starts_only_at_the_end_of_the_turn() -> None:
+    calls, kinds = await _run(final_after_end_of_turn=True)
+    candidate_window = SPEECH_WINDOWS + 3  # 96 ms of silence: the candidate still needs a transcript
+    commit_window = SPEECH_WINDOWS + 8  # 256 ms
+    assert calls[0] == candidate_window
+    assert calls[-1] == commit_window
+    assert kinds.count("final") == 1
