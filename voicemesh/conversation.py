@@ -101,6 +101,7 @@ class ConversationClient:
     _first_audio_us: dict[int, int] = field(default_factory=dict)
     _channel: grpc.aio.Channel | None = None
     _closed: bool = False
+    _accepted: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def __aenter__(self) -> ConversationClient:
         self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
@@ -120,10 +121,15 @@ class ConversationClient:
     def close(self) -> None:
         """No more audio: the gateway finishes the last turn, then ends the event stream."""
         self._closed = True
+        self._accepted.set()
         self._queue.put_nowait(None)
 
-    async def _requests(self) -> AsyncIterator[conversation_pb2.ConverseRequest]:
+    async def _requests(self, accepted: asyncio.Event) -> AsyncIterator[conversation_pb2.ConverseRequest]:
         yield conversation_pb2.ConverseRequest(config=self.config)
+        # Frames wait (queued, capture times kept) until the gateway has accepted the session. A gateway that
+        # refuses it ends the call at once, and a frame written into that ending call makes grpcio report
+        # INTERNAL "Internal error from Core" instead of the gateway's status (grpc/grpc#36066).
+        await accepted.wait()
         while True:
             item = await self._queue.get()
             if item is None:
@@ -139,10 +145,14 @@ class ConversationClient:
         attempts = 0
         while True:
             self._call_seq = 0  # seq restarts with each call
-            call = stub.Converse(self._requests())
+            self._accepted = accepted = asyncio.Event()
+            if self._closed:
+                accepted.set()
+            call = stub.Converse(self._requests(accepted))
             try:
                 async for message in call:
                     attempts = 0
+                    accepted.set()
                     event = self._convert(message)
                     if isinstance(event, Started):
                         self.config.session_id = event.session_id  # reconnects continue this session
@@ -156,6 +166,8 @@ class ConversationClient:
                 log.warning("conversation dropped; reconnecting", extra={"code": error.code().name})
                 yield SessionError(0, "gateway", error.code().name, f"reconnecting: {error.details()}", True)
                 await asyncio.sleep(0.2 * 2**attempts)
+            finally:
+                accepted.set()  # the call's request stream goes on to its end instead of waiting forever
 
     def _convert(self, message: conversation_pb2.ConverseEvent) -> Event:
         turn = message.turn_index

@@ -188,9 +188,9 @@ async def test_the_duration_limit_stops_the_test_and_fails_what_was_running(tmp_
 
     class SilentGateway(conversation_pb2_grpc.ConversationServicer):
         async def Converse(self, request_iterator, context):
+            yield conversation_pb2.ConverseEvent(started=conversation_pb2.SessionStarted(session_id="fake"))
             async for _ in request_iterator:
                 pass
-            yield conversation_pb2.ConverseEvent()
 
     server = grpc.aio.server()
     conversation_pb2_grpc.add_ConversationServicer_to_server(SilentGateway(), server)
@@ -216,10 +216,10 @@ class AbortingGateway(conversation_pb2_grpc.ConversationServicer):
     """Reads a little audio, then ends the call with a status (a synchronous servicer: its own threads)."""
 
     def Converse(self, request_iterator, context):
+        yield conversation_pb2.ConverseEvent(started=conversation_pb2.SessionStarted(session_id="fake"))
         for count, _ in enumerate(request_iterator):
             if count == 30:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "a second SessionConfig was sent")
-        yield conversation_pb2.ConverseEvent()
 
 
 def test_the_command_against_a_call_that_fails_midway_ends_cleanly(
