@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from voicemesh.errors import check_session_id, invalid, out_of_range
+from gateway.turn import TurnPolicy
+from voicemesh.endpointing import EndpointingPolicy, policy_from, to_proto
+from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
+from voicemesh.limits import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
 INPUT_RATES_HZ = (16000, 48000)
@@ -12,11 +15,14 @@ OUTPUT_RATES_HZ = (16000, 24000, 48000)
 MAX_SYSTEM_PROMPT_CHARS = 2000
 
 
+_TURN = TurnPolicy()
+
+
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Which latency tricks a session uses; the defaults are all on."""
+    """Which latency tricks a session uses, and its turn-taking; the defaults are all on."""
 
-    speculative_start: bool = True
+    speculative_start: bool = _TURN.speculative_start
     """Start the reply on the ASR endpoint candidate; its audio is released only once the turn commits."""
     tts_chunking: int = tts_pb2.CHUNKING_POLICY_WORDS
     """When reply text goes to TTS."""
@@ -26,22 +32,34 @@ class PipelineOptions:
     """Window of the ASR final pass."""
     asr_final_at_silence: bool = True
     """The ASR starts its final pass at the first silence, so it is done when the hangover commits the turn."""
-    barge_in: bool = True
-    """User speech over the reply interrupts it."""
-    barge_in_min_speech_ms: int = 200
-    """Speech that long during the reply interrupts it; shorter is a backchannel ("mm-hmm")."""
-    max_tokens: int = 48
+    barge_in: bool = _TURN.barge_in
+    """User speech over the reply can interrupt it (gateway/turn.py TurnPolicy has the rules)."""
+    barge_in_min_speech_ms: int = _TURN.barge_in_min_speech_ms
+    """Wordless speech over the reply this long pauses it."""
+    resume_false_interruptions: bool = _TURN.resume_false_interruptions
+    """A pause whose speech yields no words resumes the reply."""
+    false_interruption_timeout_ms: int = _TURN.false_interruption_timeout_ms
+    """How long a paused reply waits for words."""
+    backchannels: frozenset[str] = _TURN.backchannels
+    """Acknowledgements that do not interrupt."""
+    max_tokens: int = DEFAULT_MAX_TOKENS
     """Reply length cap in tokens."""
     buffer_whole_reply: bool = False
     """Baseline: whole LLM reply, then whole synthesis, then send (no streaming between stages)."""
-    endpointing: asr_pb2.EndpointingConfig = field(
-        default_factory=lambda: asr_pb2.EndpointingConfig(candidate_silence_ms=32, hangover_ms=288)
-    )
-    """End-of-turn detection for the ASR, in its 32 ms VAD windows. A reply starts (unheard) at the first silent
-    window; the turn commits after 9 silent windows (288 ms) and only then is the reply heard. The hangover is
-    the floor of voice-to-voice latency, so it is as short as keeps sentences whole: spk1_snt1 pauses ~230 ms
-    inside "hurt ... the small dog", which 256 ms splits at 5 of 8 window alignments and 288 ms at none.
-    Speakers who pause longer need a longer hangover (per session: options.endpointing)."""
+    endpointing: asr_pb2.EndpointingConfig = field(default_factory=lambda: to_proto(EndpointingPolicy()))
+    """End-of-turn detection for the ASR (voicemesh/endpointing.py has the defaults and ranges): the reply starts,
+    unheard, at the first silent window; the turn commits after a hangover that the pause's completeness score
+    picks, and only then is the reply heard."""
+
+    def turn_policy(self) -> TurnPolicy:
+        return TurnPolicy(
+            speculative_start=self.speculative_start,
+            barge_in=self.barge_in,
+            barge_in_min_speech_ms=self.barge_in_min_speech_ms,
+            resume_false_interruptions=self.resume_false_interruptions,
+            false_interruption_timeout_ms=self.false_interruption_timeout_ms,
+            backchannels=self.backchannels,
+        )
 
 
 @dataclass(frozen=True)
@@ -73,26 +91,44 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
     if not 1 <= lookahead <= 4:
         raise out_of_range(f"options.tts_lookahead_words={lookahead} out of range; send 1-4 (or 0 for 2)")
     max_tokens = given.max_tokens or default.max_tokens
-    if not 1 <= max_tokens <= 512:
-        raise out_of_range(f"options.max_tokens={max_tokens} out of range; send 1-512 (or 0 for 48)")
+    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
+        raise out_of_range(
+            f"options.max_tokens={max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for {DEFAULT_MAX_TOKENS})"
+        )
     barge_ms = given.barge_in_min_speech_ms or default.barge_in_min_speech_ms
     if not 50 <= barge_ms <= 3000:
-        raise out_of_range(f"options.barge_in_min_speech_ms={barge_ms} out of range; send 50-3000")
+        raise out_of_range(f"options.barge_in_min_speech_ms={barge_ms} out of range; send 50-3000 (or 0 for 500)")
+    false_ms = given.false_interruption_timeout_ms or default.false_interruption_timeout_ms
+    if not 100 <= false_ms <= 5000:
+        raise out_of_range(
+            f"options.false_interruption_timeout_ms={false_ms} out of range; send 100-5000 (or 0 for 1000)"
+        )
+    if len(given.backchannels) > 64 or any(not 0 < len(b) <= 32 for b in given.backchannels):
+        raise out_of_range("options.backchannels: send at most 64 phrases of 1-32 characters each")
     if given.tts_chunking not in tts_pb2.ChunkingPolicy.values():
         raise invalid(f"options.tts_chunking={given.tts_chunking} unknown")
+    try:
+        endpointing = policy_from(given.endpointing)
+    except RequestError as error:
+        raise invalid(f"options.{error.message}") from error
+
+    def flag(name: str) -> bool:
+        return getattr(given, name) if given.HasField(name) else getattr(default, name)
+
     pipeline = PipelineOptions(
-        speculative_start=given.speculative_start if given.HasField("speculative_start") else default.speculative_start,
+        speculative_start=flag("speculative_start"),
         tts_chunking=given.tts_chunking or default.tts_chunking,
         tts_lookahead_words=lookahead,
         asr_decode_window=given.asr_decode_window or default.asr_decode_window,
-        asr_final_at_silence=given.asr_final_at_silence
-        if given.HasField("asr_final_at_silence")
-        else default.asr_final_at_silence,
-        barge_in=given.barge_in if given.HasField("barge_in") else default.barge_in,
+        asr_final_at_silence=flag("asr_final_at_silence"),
+        barge_in=flag("barge_in"),
         barge_in_min_speech_ms=barge_ms,
+        resume_false_interruptions=flag("resume_false_interruptions"),
+        false_interruption_timeout_ms=false_ms,
+        backchannels=frozenset(" ".join(b.lower().split()) for b in given.backchannels) or default.backchannels,
         max_tokens=max_tokens,
         buffer_whole_reply=given.buffer_whole_reply,
-        endpointing=_endpointing(given.endpointing, default.endpointing),
+        endpointing=to_proto(endpointing),
     )
     return SessionOptions(
         session_id=session_id,
@@ -102,15 +138,3 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
         system_prompt=config.system_prompt,
         pipeline=pipeline,
     )
-
-
-def _endpointing(given: asr_pb2.EndpointingConfig, default: asr_pb2.EndpointingConfig) -> asr_pb2.EndpointingConfig:
-    """The client's non-zero fields over the gateway's defaults (the ASR service validates the ranges)."""
-    merged = asr_pb2.EndpointingConfig()
-    merged.CopyFrom(default)
-    for name in ("vad_threshold", "candidate_silence_ms", "hangover_ms", "min_speech_ms"):
-        if getattr(given, name):
-            setattr(merged, name, getattr(given, name))
-    if merged.hangover_ms < merged.candidate_silence_ms:
-        merged.candidate_silence_ms = merged.hangover_ms
-    return merged

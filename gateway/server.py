@@ -13,7 +13,7 @@ import grpc
 
 from gateway.backends import Backends
 from gateway.options import resolve
-from gateway.session import Session
+from gateway.session import HistoryEntry, Session
 from gateway.web import WebDoor
 from voicemesh import config, serving, telemetry
 from voicemesh.errors import RequestError, precondition
@@ -62,9 +62,9 @@ class HistoryStore:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._histories: collections.OrderedDict[str, list[tuple[str, str]]] = collections.OrderedDict()
+        self._histories: collections.OrderedDict[str, list[HistoryEntry]] = collections.OrderedDict()
 
-    def get(self, session_id: str) -> list[tuple[str, str]]:
+    def get(self, session_id: str) -> list[HistoryEntry]:
         history = self._histories.pop(session_id, [])
         self._histories[session_id] = history
         while len(self._histories) > self.capacity:

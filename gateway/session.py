@@ -1,19 +1,16 @@
-"""One conversation: the user's frames in, a spoken dialogue out. The turn state machine lives here.
+"""One conversation: the I/O around its TurnController (gateway/turn.py), which decides everything about the turn.
 
-listening --(ASR endpoint candidate)--> speculative reply starts, its audio held back
-          --(ASR final, same text)----> the reply is committed: thinking, then speaking as audio arrives
-          --(final differs / speech resumes)--> the speculative reply is cancelled (never spoken, never in history)
-speaking  --(user speech >= barge_in_min_speech_ms)--> interrupted: LLM and TTS cancelled, queued audio dropped
-          --(last frame sent)--> listening
-All three backend streams are per session and long-lived: one ASR stream, one TTS stream, LLM calls on a
-persistent channel. A backend that fails is reported as an error event naming the stage and reconnected.
+The session feeds the controller the ASR's events, reply progress and the clock, and carries out its commands:
+start / cancel / commit a reply (LLM call streaming into the session's TTS stream), pause / resume / stop the
+reply's audio, end the turn. All three backend streams are per session and long-lived: one ASR stream, one TTS
+stream, LLM calls on a persistent channel. A backend that fails is reported as an error event naming the stage
+and reconnected. Metrics and spans observe the commands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import socket
 import time
@@ -23,6 +20,7 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry.trace import Span
 
+from gateway import turn
 from gateway.backends import Backends
 from gateway.options import SessionOptions
 from voicemesh import telemetry
@@ -45,10 +43,13 @@ class TtsDown(Exception):
     """The session's TTS stream is down (being reconnected): a reply cannot be spoken now."""
 
 
-class State(enum.Enum):
-    LISTENING = "listening"
-    THINKING = "thinking"
-    SPEAKING = "speaking"
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One utterance of the dialogue as it was heard."""
+
+    role: str  # "user" or "assistant"
+    text: str
+    interrupted: bool = False  # an assistant reply the user spoke over: `text` is only what was heard
 
 
 @dataclass
@@ -88,6 +89,10 @@ class Reply:
         self.timeline.setdefault(milestone, epoch_us())
 
 
+def _now_ms() -> float:
+    return time.monotonic_ns() / 1e6
+
+
 class Session:
     """The pipeline of one conversation, independent of the transport (gRPC Converse, WebSocket, WebRTC).
 
@@ -96,15 +101,15 @@ class Session:
     """
 
     def __init__(
-        self, options: SessionOptions, backends: Backends, history: list[tuple[str, str]], transport: str = "grpc"
+        self, options: SessionOptions, backends: Backends, history: list[HistoryEntry], transport: str = "grpc"
     ) -> None:
         self.options = options
         self.pipeline = options.pipeline
         self.backends = backends
         self.history = history
         self.events: asyncio.Queue[conversation_pb2.ConverseEvent | RequestError | None] = asyncio.Queue()
-        self.state = State.LISTENING
-        self._turn = len([role for role, _ in history if role == "user"])
+        self.turns = turn.TurnController(options.pipeline.turn_policy())
+        self._turn = len([entry for entry in history if entry.role == "user"])
         self._closing = False
         self._audio_ms = 0.0
         self._receipt_us: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -115,12 +120,12 @@ class Session:
         # After an outage, frames are dropped instead: replaying them would answer what was said long ago.
         self._asr_backlog: collections.deque[audio_pb2.AudioFrame] | None = collections.deque(maxlen=500)
         self._tts_queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] | None = None
-        self._utterance_ids = 0
         self._replies: dict[int, Reply] = {}
-        self._speculative: Reply | None = None
         self._current: Reply | None = None
         self._discarded = 0
-        self._barge_start_ms: float | None = None
+        self._paused = False
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._last_event: asr_pb2.RecognizeEvent | None = None  # the ASR event being handled
         self._audio_ready = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -148,12 +153,6 @@ class Session:
             self._forward(forwarded)
         elif self._asr_backlog is not None:
             self._asr_backlog.append(forwarded)  # the session's first ASR stream is still connecting
-        if (
-            self._barge_start_ms is not None
-            and self._audio_ms - self._barge_start_ms >= self.pipeline.barge_in_min_speech_ms
-        ):
-            self._barge_start_ms = None
-            self._interrupt()
 
     def _forward(self, frame: audio_pb2.AudioFrame) -> None:
         assert self._asr_queue is not None
@@ -175,6 +174,8 @@ class Session:
 
     async def close(self) -> None:
         self._closing = True
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
         for reply in list(self._replies.values()):
             self._cancel_reply(reply)
         if self._tts_queue is not None:
@@ -226,46 +227,105 @@ class Session:
             backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
 
     def _on_asr(self, event: asr_pb2.RecognizeEvent) -> None:
+        """Hand the ASR's event to the turn controller, on the session's clock."""
+        now_ms = _now_ms()
         kind = event.WhichOneof("event")
+        self._last_event = event
+        controller = self.turns
         if kind == "speech_started":
-            if self.pipeline.barge_in and self._current is not None:
-                self._barge_start_ms = self._asr_base_ms + event.speech_start_ms
+            commands = controller.on_speech_started(now_ms - self._audio_behind_ms(event.speech_start_ms))
+        elif kind == "speech_stopped":
+            commands = controller.on_speech_stopped(now_ms - self._audio_behind_ms(event.speech_end_ms))
         elif kind == "partial":
             self._emit(
                 user_partial=conversation_pb2.Transcript(
                     text=event.partial.text, stable_prefix=event.partial.stable_prefix
                 )
             )
+            commands = controller.on_partial(now_ms, event.partial.text)
         elif kind == "endpoint_candidate":
-            self._barge_start_ms = None
-            text = event.endpoint_candidate.text.strip()
-            if self.pipeline.speculative_start and text and self._current is None:
-                if self._speculative is not None:
-                    self._discard(self._speculative)
-                self._speculative = self._start_reply(text, speculative=True, event=event)
+            commands = controller.on_candidate(now_ms, event.endpoint_candidate.text.strip())
         elif kind == "speech_resumed":
-            if self._speculative is not None:
-                self._discard(self._speculative)
-                self._speculative = None
+            commands = controller.on_speech_resumed(now_ms)
         elif kind == "final":
-            self._barge_start_ms = None
-            self._on_final(event)
-
-    def _on_final(self, event: asr_pb2.RecognizeEvent) -> None:
-        text = event.final.text.strip()
-        speculative, self._speculative = self._speculative, None
-        if not text or self._current is not None:
-            # Noise, or a short backchannel ("mm-hmm") over a reply that barge-in did not stop.
-            if speculative is not None:
-                self._discard(speculative)
-            return
-        self._emit(user_final=conversation_pb2.Transcript(text=text))
-        if speculative is not None and speculative.user_text == text and not speculative.cancelled:
-            reply = speculative
+            commands = controller.on_final(now_ms, event.final.text.strip())
         else:
-            if speculative is not None:
-                self._discard(speculative)
-            reply = self._start_reply(text, speculative=False, event=event)
+            return
+        self._apply(commands)
+
+    def _audio_behind_ms(self, stream_ms: int) -> float:
+        """How long ago (in audio received) a point of the ASR stream was: events lag the audio they describe."""
+        return max(0.0, self._audio_ms - (self._asr_base_ms + stream_ms))
+
+    # ---- commands -----------------------------------------------------------------------------------------
+    def _apply(self, commands: list[turn.Command]) -> None:
+        for command in commands:
+            match command:
+                case turn.StartReply(reply_id, user_text, speculative):
+                    self._start_reply(reply_id, user_text, speculative)
+                case turn.CancelReply(reply_id):
+                    reply = self._replies.get(reply_id)
+                    if reply is not None:
+                        self._discard(reply)
+                case turn.CommitReply(reply_id, user_text):
+                    self._commit(self._replies[reply_id], user_text)
+                case turn.PausePlayout():
+                    self._paused = True
+                    log.info("playout paused: speech over the reply", extra={"session_id": self.options.session_id})
+                case turn.ResumePlayout(_, reason):
+                    self._paused = False
+                    telemetry.OVERLAPS.labels(reason).inc()
+                    log.info("playout resumed", extra={"session_id": self.options.session_id, "reason": reason})
+                    self._audio_ready.set()
+                case turn.Interrupt(reply_id):
+                    self._paused = False
+                    if self._current is not None and self._current.utterance_id == reply_id:
+                        self._interrupt(self._current)
+                case turn.EndTurn(reply_id):
+                    if self._current is not None and self._current.utterance_id == reply_id:
+                        self._end_turn(self._current)
+        self._schedule_tick()
+
+    def _schedule_tick(self) -> None:
+        """The controller's timers (a paused reply resumes when no words come) run on the event loop's clock."""
+        if self._tick_handle is not None:
+            self._tick_handle.cancel()
+            self._tick_handle = None
+        due_ms = self.turns.next_tick_ms
+        if due_ms is not None and not self._closing:
+            delay_s = max(0.0, due_ms - _now_ms()) / 1000
+            self._tick_handle = asyncio.get_running_loop().call_later(delay_s, self._tick)
+
+    def _tick(self) -> None:
+        self._tick_handle = None
+        self._apply(self.turns.tick(_now_ms()))
+
+    # ---- replies -------------------------------------------------------------------------------------------
+    def _start_reply(self, reply_id: int, user_text: str, speculative: bool) -> Reply:
+        event = self._last_event or asr_pb2.RecognizeEvent()
+        reply = Reply(reply_id, user_text, speculative)
+        reply.mark("reply_started")
+        reply.asr_event = event
+        start_us = event.speech_end_capture_time_us or epoch_us()
+        reply.span = TRACER.start_span(
+            "turn",
+            start_time=start_us * 1000,
+            attributes={
+                "session.id": self.options.session_id,
+                "transport": self.transport,
+                "replica": HOSTNAME,
+                "speculative": speculative,
+                "audio_s": max(0, event.speech_end_ms - event.speech_start_ms) / 1000,
+            },
+        )
+        self._replies[reply.utterance_id] = reply
+        reply.llm_task = asyncio.ensure_future(self._generate(reply))
+        return reply
+
+    def _commit(self, reply: Reply, user_text: str) -> None:
+        """The user's turn is final: the reply becomes the current one and may be heard."""
+        event = self._last_event or asr_pb2.RecognizeEvent()
+        self._emit(user_final=conversation_pb2.Transcript(text=user_text))
         committed_us = epoch_us()
         capture_us = event.speech_end_capture_time_us
         receipt_us = self._receipt_us.get(capture_us, committed_us)
@@ -286,41 +346,22 @@ class Session:
         reply.mark("committed")
         reply.turn_index = self._turn
         self._turn += 1
-        self.history.append(("user", text))
+        self.history.append(HistoryEntry("user", user_text))
         self._current = reply
+        self._paused = False
         self._idle.clear()
-        self.state = State.THINKING
         if reply.text:
             self._emit(reply_text=conversation_pb2.ReplyText(text_delta="".join(reply.text)), turn=reply.turn_index)
         self._audio_ready.set()
-
-    # ---- replies -------------------------------------------------------------------------------------------
-    def _start_reply(self, user_text: str, speculative: bool, event: asr_pb2.RecognizeEvent) -> Reply:
-        self._utterance_ids += 1
-        reply = Reply(self._utterance_ids, user_text, speculative)
-        reply.mark("reply_started")
-        reply.asr_event = event
-        start_us = event.speech_end_capture_time_us or epoch_us()
-        reply.span = TRACER.start_span(
-            "turn",
-            start_time=start_us * 1000,
-            attributes={
-                "session.id": self.options.session_id,
-                "transport": self.transport,
-                "replica": HOSTNAME,
-                "speculative": speculative,
-                "audio_s": max(0, event.speech_end_ms - event.speech_start_ms) / 1000,
-            },
-        )
-        self._replies[reply.utterance_id] = reply
-        reply.llm_task = asyncio.ensure_future(self._generate(reply))
-        return reply
 
     def _messages(self, user_text: str) -> list[llm_pb2.ChatMessage]:
         messages = []
         if self.options.system_prompt:
             messages.append(llm_pb2.ChatMessage(role=llm_pb2.ROLE_SYSTEM, content=self.options.system_prompt))
-        messages += [llm_pb2.ChatMessage(role=ROLE[role], content=text) for role, text in self.history]
+        messages += [
+            llm_pb2.ChatMessage(role=ROLE[entry.role], content=entry.text, interrupted=entry.interrupted)
+            for entry in self.history
+        ]
         messages.append(llm_pb2.ChatMessage(role=llm_pb2.ROLE_USER, content=user_text))
         return messages
 
@@ -407,29 +448,25 @@ class Session:
         self._replies.pop(reply.utterance_id, None)
 
     def _fail(self, reply: Reply) -> None:
-        """A stage failed mid-reply: the turn ends without (the rest of) its audio."""
+        """A stage failed mid-reply: the turn ends without (the rest of) its audio; the controller decides."""
         self._cancel_reply(reply)
-        if reply is self._current:
-            self._end_turn(reply)
+        self._apply(self.turns.on_reply_failed(reply.utterance_id))
 
-    def _interrupt(self) -> None:
-        reply = self._current
-        if reply is None:
-            return
+    def _interrupt(self, reply: Reply) -> None:
         spoken = " ".join(reply.spoken_chunks)
         self._cancel_reply(reply)
-        log.info("barge-in", extra={"session_id": self.options.session_id, "spoken": spoken})
+        log.info("barge-in", extra={"session_id": self.options.session_id, "spoken_chars": len(spoken)})
         telemetry.INTERRUPTIONS.inc()
         if reply.span is not None:
             reply.span.set_attribute("interrupted", True)
         self._emit(interrupted=conversation_pb2.Interrupted(spoken_text=spoken), turn=reply.turn_index)
-        self._end_turn(reply, spoken)
+        self._end_turn(reply, interrupted=True)
 
-    def _end_turn(self, reply: Reply, spoken: str | None = None) -> None:
-        """History gets what was said aloud; the turn's metrics go out; back to listening."""
-        text = " ".join(reply.spoken_chunks) if spoken is None else spoken
+    def _end_turn(self, reply: Reply, interrupted: bool = False) -> None:
+        """History gets what was said aloud (marked when cut short); the turn's metrics go out; back to listening."""
+        text = " ".join(reply.spoken_chunks)
         if text:
-            self.history.append(("assistant", text))
+            self.history.append(HistoryEntry("assistant", text, interrupted))
         self._emit_metrics(reply)
         if reply.span is not None:
             reply.span.end()
@@ -437,7 +474,7 @@ class Session:
         while len(self._recent) > 4:
             self._recent.pop(min(self._recent))
         self._current = None
-        self.state = State.LISTENING
+        self._paused = False
         self._idle.set()
 
     # ---- TTS -----------------------------------------------------------------------------------------------
@@ -499,29 +536,30 @@ class Session:
 
     # ---- playout -------------------------------------------------------------------------------------------
     async def _playout_loop(self) -> None:
-        """Send the committed reply's frames at real-time pace (a short lead first), so barge-in is immediate."""
+        """Send the committed reply's frames at real-time pace (a short lead first), so a pause or a barge-in
+        stops the audio within one frame; after a pause the lead is sent again."""
         next_due = 0.0
         while True:
             await self._audio_ready.wait()
             self._audio_ready.clear()
             reply = self._current
-            if reply is None or not reply.committed or reply.cancelled:
+            if reply is None or not reply.committed or reply.cancelled or self._paused:
                 continue
             if self.pipeline.buffer_whole_reply and not reply.tts_done:
                 continue
-            while reply is self._current and reply.frames and not reply.cancelled:
-                now = time.monotonic()
-                if reply.frames_sent == 0:
-                    next_due = now - LEAD_FRAMES * FRAME_S
-                due = max(next_due, now - LEAD_FRAMES * FRAME_S)
-                if due > now:
+            lead_from = time.monotonic() - LEAD_FRAMES * FRAME_S
+            next_due = max(next_due, lead_from)
+            while reply is self._current and reply.frames and not reply.cancelled and not self._paused:
+                due = max(next_due, time.monotonic() - LEAD_FRAMES * FRAME_S)
+                if due > (now := time.monotonic()):
                     await asyncio.sleep(due - now)
-                    if reply is not self._current or reply.cancelled:
-                        break  # barge-in while waiting: stop within one frame
+                    if reply is not self._current or reply.cancelled or self._paused:
+                        break  # barge-in or pause while waiting: stop within one frame
                 next_due = due + FRAME_S
-                frame = reply.frames.popleft()
-                self._send_audio(reply, frame)
-            if (
+                self._send_audio(reply, reply.frames.popleft())
+            if self._paused:
+                next_due = 0.0  # the listener's buffer runs dry during the pause: lead again on resume
+            elif (
                 reply is self._current
                 and not reply.cancelled
                 and reply.tts_done
@@ -531,7 +569,7 @@ class Session:
                 self._emit(
                     reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index
                 )
-                self._end_turn(reply)
+                self._apply(self.turns.on_reply_done(reply.utterance_id))
 
     def _send_audio(self, reply: Reply, speech: tts_pb2.SpeechFrame) -> None:
         sent_us = epoch_us()
@@ -542,7 +580,6 @@ class Session:
         if reply.frames_sent == 0:
             reply.mark("first_audio_sent")
             reply.first_sent_us = sent_us
-            self.state = State.SPEAKING
         reply.frames_sent += 1
         if speech.chunk_end:
             reply.spoken_chunks.append(speech.text)

@@ -62,6 +62,16 @@ ACTIVE_SESSIONS = Gauge("voicemesh_gateway_active_sessions", "Sessions open on t
 TURNS = Counter("voicemesh_turns_total", "User turns committed")
 INTERRUPTIONS = Counter("voicemesh_interruptions_total", "Replies cut short by barge-in")
 CANCELLATIONS = Counter("voicemesh_cancellations_total", "LLM/TTS work cancelled (barge-in, superseded, failed)")
+OVERLAPS = Counter(
+    "voicemesh_overlaps_resumed_total",
+    "User speech over a reply that did not interrupt it, by kind (backchannel, false_interruption)",
+    ["reason"],
+)
+TURN_SCORES = Counter(
+    "voicemesh_turn_scores_total",
+    "End-of-turn completeness scores by outcome (in_time, late: the fixed hangover had applied, failed)",
+    ["outcome"],
+)
 SPECULATIVE = Counter("voicemesh_speculative_starts_total", "Speculative reply starts by outcome", ["outcome"])
 ERRORS = Counter("voicemesh_errors_total", "Errors by stage and gRPC status", ["stage", "code"])
 QUEUE_WAIT = Histogram(

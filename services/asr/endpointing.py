@@ -1,37 +1,30 @@
-"""Turn detection from per-window VAD probabilities: speech start, endpoint candidate, resume, end of turn."""
+"""Turn detection from per-window VAD probabilities and a completeness score per pause: speech start and stop,
+endpoint candidate, resume, end of turn."""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 
+from voicemesh.endpointing import EndpointingPolicy
 
-@dataclass(frozen=True)
-class EndpointingPolicy:
-    """When a pause ends a turn. All durations in milliseconds."""
-
-    vad_threshold: float = 0.5
-    """Speech probability above which a window is speech (a window below threshold-0.15 is silence)."""
-    candidate_silence_ms: int = 150
-    """Silence after speech that makes an endpoint candidate (the final decode and a speculative reply start)."""
-    hangover_ms: int = 300
-    """Silence after speech that commits the end of the turn."""
-    min_speech_ms: int = 96
-    """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
+__all__ = ["Endpointer", "EndpointingPolicy", "Event"]
 
 
 class Event(enum.Enum):
     SPEECH_STARTED = "speech_started"
-    SILENCE_STARTED = "silence_started"  # first silent window after speech: the final decode can start
+    SPEECH_STOPPED = "speech_stopped"  # first silent window of a pause: score it, start the final decode
     ENDPOINT_CANDIDATE = "endpoint_candidate"
     SPEECH_RESUMED = "speech_resumed"
     END_OF_TURN = "end_of_turn"
 
 
 class Endpointer:
-    """Pure state machine: feed one probability per window, get at most one event back.
+    """Pure state machine: feed one probability per window and, when it arrives, the pause's completeness score;
+    get the events they cause back.
 
-    Time is counted in audio milliseconds of the stream, so results do not depend on how fast frames arrive.
+    Time is counted in audio milliseconds of the stream, so results do not depend on how fast frames arrive. A
+    pause commits after `policy.hangover_for(score)` of silence; until its score is in, after the fixed
+    hangover, so a scorer that is slow or fails never holds a turn open.
     """
 
     def __init__(self, policy: EndpointingPolicy, window_ms: int) -> None:
@@ -46,9 +39,20 @@ class Endpointer:
         self.now_ms = 0
         self.speech_start_ms = 0
         self.speech_end_ms = 0
+        self.pause_id = 0  # counts pauses; a completeness score names the pause it belongs to
+        self.completeness: float | None = None  # of the open pause, once scored
 
-    def push(self, probability: float, quiet: bool = False) -> Event | None:
-        """Advance one window; returns the event it caused, if any.
+    @property
+    def hangover_ms(self) -> int:
+        """The silence that commits the open pause, as far as is known now."""
+        return self.policy.hangover_for(self.completeness)
+
+    @property
+    def silence_ms(self) -> int:
+        return self._silence_ms
+
+    def push(self, probability: float, quiet: bool = False) -> list[Event]:
+        """Advance one window; returns the events it caused.
 
         `quiet`: the window's energy is far below the speaker's level. Silero's LSTM keeps saying "speech"
         for 50-200 ms after a voice stops (measured on the test clips); a quiet window ends speech at once.
@@ -64,48 +68,65 @@ class Endpointer:
         else:
             is_speech = self._speaking  # hysteresis: keep the current state in the grey zone
         self._speaking = is_speech
+        return self._speech() if is_speech else self._silence()
 
-        if is_speech:
-            self._speech_run_ms += self.window_ms
-            if not self.in_turn:
-                if self._speech_run_ms >= self.policy.min_speech_ms:
-                    self.in_turn = True
-                    self._silence_ms = 0
-                    self.speech_start_ms = self.now_ms - self._speech_run_ms
-                    self.speech_end_ms = self.now_ms
-                    return Event.SPEECH_STARTED
-                return None
-            if self._silence_ms == 0:  # no pause open: the speaker is talking
+    def score(self, pause_id: int, completeness: float) -> list[Event]:
+        """The completeness score of pause `pause_id` arrived; it may end the turn at once."""
+        if pause_id != self.pause_id or not self.in_turn or self._silence_ms == 0:
+            return []  # speech resumed or the turn ended meanwhile: the score is stale
+        self.completeness = completeness
+        return self._maybe_commit()
+
+    def _speech(self) -> list[Event]:
+        self._speech_run_ms += self.window_ms
+        if not self.in_turn:
+            if self._speech_run_ms >= self.policy.min_speech_ms:
+                self.in_turn = True
+                self._silence_ms = 0
+                self.speech_start_ms = self.now_ms - self._speech_run_ms
                 self.speech_end_ms = self.now_ms
-                return None
-            # A pause is open. Only speech of min_speech_ms closes it; a shorter blip (a click, a breath, one
-            # window of Silero wavering) stops the pause's clock and, if it dies out, counts as pause.
-            if self._speech_run_ms < self.policy.min_speech_ms:
-                self._blip_ms += self.window_ms
-                return None
-            self._silence_ms = self._blip_ms = 0
+                return [Event.SPEECH_STARTED]
+            return []
+        if self._silence_ms == 0:  # no pause open: the speaker is talking
             self.speech_end_ms = self.now_ms
-            if self.candidate:
-                self.candidate = False
-                return Event.SPEECH_RESUMED
-            return None
+            return []
+        # A pause is open. Only speech of min_speech_ms closes it; a shorter blip (a click, a breath, one
+        # window of Silero wavering) stops the pause's clock and, if it dies out, counts as pause.
+        if self._speech_run_ms < self.policy.min_speech_ms:
+            self._blip_ms += self.window_ms
+            return []
+        self._silence_ms = self._blip_ms = 0
+        self.completeness = None
+        self.speech_end_ms = self.now_ms
+        if self.candidate:
+            self.candidate = False
+            return [Event.SPEECH_RESUMED]
+        return []
 
-        return self._silence()
-
-    def _silence(self) -> Event | None:
+    def _silence(self) -> list[Event]:
         self._speech_run_ms = 0
         if not self.in_turn:
-            return None
+            return []
+        events = []
+        if self._silence_ms == 0:
+            self.pause_id += 1
+            self.completeness = None
+            events.append(Event.SPEECH_STOPPED)
         self._silence_ms += self._blip_ms + self.window_ms
         self._blip_ms = 0
-        if self._silence_ms >= self.policy.hangover_ms:
-            self.in_turn = False
-            self.candidate = False
-            self._silence_ms = 0
-            return Event.END_OF_TURN
         if not self.candidate and self._silence_ms >= self.policy.candidate_silence_ms:
             self.candidate = True
-            return Event.ENDPOINT_CANDIDATE
-        if self._silence_ms == self.window_ms and not self.candidate:
-            return Event.SILENCE_STARTED
-        return None
+            events.append(Event.ENDPOINT_CANDIDATE)
+        return events + self._maybe_commit()
+
+    def _maybe_commit(self) -> list[Event]:
+        if self._silence_ms < self.hangover_ms:
+            return []
+        self.end_turn()
+        return [Event.END_OF_TURN]
+
+    def end_turn(self) -> None:
+        """The stream committed the turn itself (too long, or the input ended)."""
+        self.in_turn = False
+        self.candidate = False
+        self._silence_ms = 0

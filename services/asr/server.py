@@ -11,12 +11,13 @@ from pathlib import Path
 
 import grpc
 
-from services.asr.endpointing import EndpointingPolicy
+from services.asr.completeness import SmartTurn, TurnScorer
 from services.asr.engine import WhisperTranscriber
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
 from voicemesh import config, serving
 from voicemesh.admission import StreamLimit
+from voicemesh.endpointing import EndpointingPolicy, policy_from
 from voicemesh.errors import RequestError, check_session_id, invalid, precondition
 from voicemesh.frames import FrameChecker
 from voicemesh.serving import Server, merge_reader, stream_handler
@@ -41,31 +42,14 @@ class AsrSettings(config.ServerSettings):
     )
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "decodes run at once; streams beyond that queue (finals before partials)")
-
-
-def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
-    """Endpointing from the request, defaults for zero fields, each value range-checked."""
-    default = EndpointingPolicy()
-    policy = EndpointingPolicy(
-        vad_threshold=message.vad_threshold or default.vad_threshold,
-        candidate_silence_ms=message.candidate_silence_ms or default.candidate_silence_ms,
-        hangover_ms=message.hangover_ms or default.hangover_ms,
-        min_speech_ms=message.min_speech_ms or default.min_speech_ms,
+    turn_model: str = config.setting(
+        "smart-turn",
+        "end-of-turn score at each pause: smart-turn (Smart Turn v3.2 audio model fused with the transcript) or "
+        "text (the transcript's ending only)",
     )
-    if not 0.05 <= policy.vad_threshold <= 0.95:
-        raise invalid(f"endpointing.vad_threshold={policy.vad_threshold:g} out of range; send 0.05-0.95")
-    if not 32 <= policy.candidate_silence_ms <= 5000:
-        raise invalid(f"endpointing.candidate_silence_ms={policy.candidate_silence_ms} out of range; send 32-5000")
-    if not 32 <= policy.hangover_ms <= 10000:
-        raise invalid(f"endpointing.hangover_ms={policy.hangover_ms} out of range; send 32-10000")
-    if policy.hangover_ms < policy.candidate_silence_ms:
-        raise invalid(
-            f"endpointing.hangover_ms={policy.hangover_ms} is shorter than candidate_silence_ms="
-            f"{policy.candidate_silence_ms}; the hangover must be at least as long"
-        )
-    if not 32 <= policy.min_speech_ms <= 2000:
-        raise invalid(f"endpointing.min_speech_ms={policy.min_speech_ms} out of range; send 32-2000")
-    return policy
+    turn_model_threads: int = config.setting(
+        1, "onnxruntime threads of the end-of-turn model; 1 leaves the other core to Whisper's decode"
+    )
 
 
 def validate_config(message: asr_pb2.RecognitionConfig) -> EndpointingPolicy:
@@ -88,8 +72,15 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         self.transcriber: WhisperTranscriber | None = None
         self.pool = WorkerPool(settings.workers, "asr-decode")
         self.vad_session = None
+        self.scorer: TurnScorer | None = None
 
     def load(self) -> None:
+        if self.settings.turn_model not in ("smart-turn", "text"):
+            raise ValueError(f"turn_model={self.settings.turn_model!r} unknown; use smart-turn or text")
+        audio_model = (
+            SmartTurn(threads=self.settings.turn_model_threads) if self.settings.turn_model == "smart-turn" else None
+        )
+        self.scorer = TurnScorer(audio_model)
         self.vad_session = load_session()
         self.transcriber = WhisperTranscriber(
             Path(self.settings.model_dir) if self.settings.model_dir else None,
@@ -100,6 +91,8 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         import numpy as np
 
         self.transcriber.transcribe(np.zeros(8000, dtype=np.float32))
+        if audio_model is not None:
+            audio_model.probability(np.zeros(8000, dtype=np.float32))
 
     @stream_handler
     async def StreamingRecognize(
@@ -122,7 +115,13 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         policy = validate_config(first.config)
         events: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
         stream = RecognitionStream(
-            first.config, policy, StreamingVad(self.vad_session), self.transcriber, self.pool, events.put_nowait
+            first.config,
+            policy,
+            StreamingVad(self.vad_session),
+            self.transcriber,
+            self.pool,
+            events.put_nowait,
+            self.scorer,
         )
         checker = FrameChecker(first.config.sample_rate_hz)
         log.info("stream opened", extra={"session_id": first.config.session_id, "rate_hz": first.config.sample_rate_hz})

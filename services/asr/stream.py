@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
 
+from services.asr.completeness import TurnScorer
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
 from services.asr.engine import SAMPLE_RATE_HZ, Transcript, WhisperTranscriber
 from services.asr.stabilizer import LocalAgreement
@@ -37,6 +39,7 @@ class RecognitionStream:
         transcriber: WhisperTranscriber,
         pool: WorkerPool,
         emit: Callable[[asr_pb2.RecognizeEvent], None],
+        scorer: TurnScorer | None = None,
     ) -> None:
         self.config = config
         self.trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL
@@ -56,6 +59,8 @@ class RecognitionStream:
         self.turn_index = 0
         self._stabilizer = LocalAgreement()
         self._loudness = Loudness()
+        self._scorer = None if policy.fixed_hangover else scorer
+        self._score_ms: dict[int, float] = {}  # pause id -> time its completeness score took
         self._last_partial_ms = 0
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
@@ -75,26 +80,32 @@ class RecognitionStream:
         self._pending = np.concatenate([self._pending, samples])
         while len(self._pending) >= WINDOW_SAMPLES:
             window, self._pending = self._pending[:WINDOW_SAMPLES], self._pending[WINDOW_SAMPLES:]
-            self._on_vad(self._endpointer.push(self._vad.probability(window), self._loudness.quiet(window)))
+            quiet = self._loudness.quiet(window)
+            for event in self._endpointer.push(self._vad.probability(self._loudness.normalize(window)), quiet):
+                self._on_vad(event)
+            self._cut_long_turn()
         self._maybe_partial()
         self._trim_audio()
 
-    def _on_vad(self, event: Event | None) -> None:
+    def _cut_long_turn(self) -> None:
         ep = self._endpointer
-        if event is None:
-            if ep.in_turn and ep.now_ms - ep.speech_start_ms >= MAX_TURN_S * 1000 and not ep.candidate:
-                log.info("turn too long; committing it", extra={"session_id": self.config.session_id})
-                self._start_draft()
-                self._commit()
-                ep.in_turn = False
-            return
+        if ep.in_turn and ep.now_ms - ep.speech_start_ms >= MAX_TURN_S * 1000 and not ep.candidate:
+            log.info("turn too long; committing it", extra={"session_id": self.config.session_id})
+            self._start_draft()
+            ep.end_turn()
+            self._commit()
+
+    def _on_vad(self, event: Event) -> None:
+        ep = self._endpointer
         if event is Event.SPEECH_STARTED:
             self._stabilizer.reset()
             self._last_partial_ms = ep.now_ms
             self._send(speech_started=asr_pb2.SpeechStarted())
-        elif event is Event.SILENCE_STARTED:
+        elif event is Event.SPEECH_STOPPED:
+            self._send(speech_stopped=asr_pb2.SpeechStopped())
             if not self.config.final_after_end_of_turn:
                 self._start_draft()
+            self._start_score()
         elif event is Event.ENDPOINT_CANDIDATE:
             if self._draft is None:
                 self._start_draft()
@@ -108,6 +119,37 @@ class RecognitionStream:
             if self._draft is None or self.config.final_after_end_of_turn:
                 self._start_draft()
             self._commit()
+
+    def _start_score(self) -> None:
+        """Score how complete the utterance is at this pause: the audio now, the transcript once the draft is in.
+        The score picks the pause's hangover; a score that fails or comes late leaves the fixed hangover."""
+        if self._scorer is None:
+            return
+        scorer, endpointer, draft = self._scorer, self._endpointer, self._draft
+        pause_id = endpointer.pause_id
+        audio, _ = self._turn_audio()
+        started_ns = time.monotonic_ns()
+
+        async def score() -> None:
+            try:
+                audio_score = await scorer.audio_score(audio)
+                text = (await draft).result.text if draft is not None else ""
+                completeness = scorer.fuse(audio_score, text)
+            except Exception:
+                log.exception("completeness score failed", extra={"session_id": self.config.session_id})
+                telemetry.TURN_SCORES.labels("failed").inc()
+                return
+            elapsed_ms = (time.monotonic_ns() - started_ns) / 1e6
+            telemetry.COMPUTE.labels("asr_turn_score").observe(elapsed_ms / 1000)
+            if completeness is None:
+                return
+            live = endpointer.pause_id == pause_id and endpointer.in_turn
+            telemetry.TURN_SCORES.labels("in_time" if live else "late").inc()
+            self._score_ms[pause_id] = elapsed_ms
+            for event in endpointer.score(pause_id, completeness):
+                self._on_vad(event)
+
+        self._spawn(score())
 
     # ---- decodes ---------------------------------------------------------------------------------------
     def _turn_audio(self) -> tuple[np.ndarray, int]:
@@ -172,6 +214,13 @@ class RecognitionStream:
         offset_ms = self._draft_offset_ms
         turn = self.turn_index
         timing = dict(self._timing_fields())
+        ep = self._endpointer
+        decision = {
+            "completeness": -1.0 if ep.completeness is None else ep.completeness,
+            "hangover_ms": ep.hangover_ms,
+            "score_ms": self._score_ms.pop(ep.pause_id, 0.0),
+        }
+        self._score_ms.clear()
         self.turn_index += 1
         self._draft = None
         self._candidate_emitted = False
@@ -183,7 +232,7 @@ class RecognitionStream:
                 turn=turn,
                 timing_from=result,
                 fields=timing,
-                final=asr_pb2.Final(text=result.result.text, words=_words(result.result, offset_ms)),
+                final=asr_pb2.Final(text=result.result.text, words=_words(result.result, offset_ms), **decision),
             )
 
         self._spawn(finish())
@@ -273,7 +322,7 @@ class RecognitionStream:
         if self._endpointer.in_turn:
             if self._draft is None:
                 self._start_draft()
-            self._endpointer.in_turn = False
+            self._endpointer.end_turn()
             self._commit()
 
     async def drain(self) -> None:
@@ -287,22 +336,33 @@ class RecognitionStream:
 
 
 class Loudness:
-    """Tracks the speaker's level; a window 35 dB under it (or under -55 dBFS) is quiet, whatever the VAD says.
-
-    The level decays slowly (about 6 dB per second) so a louder earlier turn does not mute a softer one.
+    """Tracks the speaker's level (a peak that decays about 6 dB per second, so a louder earlier turn does not
+    mute a softer one), and makes end-of-speech detection independent of it:
+    - `quiet`: a window 35 dB under the speaker's level is silence, whatever the VAD says;
+    - `normalize`: the VAD hears every speaker near the same level, a distant or quiet one turned up by as much
+      as MAX_GAIN_DB (Silero misses speech at -50 dBFS that it finds at -20).
     """
 
     QUIET_BELOW_DB = 35.0
-    FLOOR_DBFS = -55.0
+    FLOOR_DBFS = -85.0  # only near-digital silence is quiet by level alone
     DECAY_DB_PER_WINDOW = 0.2
+    TARGET_DBFS = -20.0
+    MAX_GAIN_DB = 30.0
 
     def __init__(self) -> None:
         self.level_dbfs = -120.0
 
     def quiet(self, window: np.ndarray) -> bool:
+        """Updates the level with this window; call it before `normalize`."""
         dbfs = 10 * float(np.log10(np.mean(window.astype(np.float64) ** 2) + 1e-12))
         self.level_dbfs = max(dbfs, self.level_dbfs - self.DECAY_DB_PER_WINDOW)
         return dbfs < max(self.FLOOR_DBFS, self.level_dbfs - self.QUIET_BELOW_DB)
+
+    def normalize(self, window: np.ndarray) -> np.ndarray:
+        gain_db = min(self.MAX_GAIN_DB, max(0.0, self.TARGET_DBFS - self.level_dbfs))
+        if gain_db == 0.0:
+            return window
+        return np.clip(window * np.float32(10 ** (gain_db / 20)), -1.0, 1.0)
 
 
 def _words(transcript: Transcript, offset_ms: int) -> list[asr_pb2.Word]:

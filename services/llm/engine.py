@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-DEFAULT_MAX_TOKENS = 48
+from voicemesh.limits import DEFAULT_MAX_TOKENS
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,32 @@
+import pytest
+
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
+from voicemesh.endpointing import policy_from, to_proto
+from voicemesh.errors import RequestError
+from voicemesh.v1 import asr_pb2
+
+FIXED = EndpointingPolicy(candidate_silence_ms=150, hangover_ms=300, fixed_hangover=True)
 
 
-def run(probabilities: list[float], policy: EndpointingPolicy | None = None) -> list[tuple[int, Event]]:
-    endpointer = Endpointer(policy or EndpointingPolicy(), window_ms=32)
+def run(
+    probabilities: list[float], policy: EndpointingPolicy = FIXED, scores: dict[int, float] | None = None
+) -> list[tuple[int, Event]]:
+    """Feed windows; `scores` gives a pause's completeness score when its window `index` is reached."""
+    endpointer = Endpointer(policy, window_ms=32)
     events = []
-    for p in probabilities:
-        event = endpointer.push(p)
-        if event:
+    for index, p in enumerate(probabilities):
+        for event in endpointer.push(p):
             events.append((endpointer.now_ms, event))
+        if scores and index in scores:
+            for event in endpointer.score(endpointer.pause_id, scores[index]):
+                events.append((endpointer.now_ms, event))
     return events
 
 
 def test_turn_with_candidate_then_commit() -> None:
     events = run([0.0] * 5 + [0.9] * 20 + [0.0] * 15)
     kinds = [e for _, e in events]
-    assert kinds == [Event.SPEECH_STARTED, Event.SILENCE_STARTED, Event.ENDPOINT_CANDIDATE, Event.END_OF_TURN]
+    assert kinds == [Event.SPEECH_STARTED, Event.SPEECH_STOPPED, Event.ENDPOINT_CANDIDATE, Event.END_OF_TURN]
     speech_end = 25 * 32
     assert events[1][0] == speech_end + 32  # the final decode starts at the first silent window
     candidate_at = events[2][0]
@@ -28,10 +40,10 @@ def test_pause_shorter_than_hangover_resumes_the_same_turn() -> None:
     kinds = [e for _, e in events]
     assert kinds == [
         Event.SPEECH_STARTED,
-        Event.SILENCE_STARTED,
+        Event.SPEECH_STOPPED,
         Event.ENDPOINT_CANDIDATE,
         Event.SPEECH_RESUMED,
-        Event.SILENCE_STARTED,
+        Event.SPEECH_STOPPED,
         Event.ENDPOINT_CANDIDATE,
         Event.END_OF_TURN,
     ]
@@ -55,29 +67,23 @@ def test_speech_start_is_backdated_to_the_first_speech_window() -> None:
 
 
 def test_quiet_windows_end_speech_even_when_the_vad_lags() -> None:
-    endpointer = Endpointer(EndpointingPolicy(), window_ms=32)
+    endpointer = Endpointer(FIXED, window_ms=32)
     for _ in range(10):
         endpointer.push(0.9)
-    assert endpointer.push(0.8, quiet=True) is Event.SILENCE_STARTED
+    assert endpointer.push(0.8, quiet=True) == [Event.SPEECH_STOPPED]
 
 
 def test_a_blip_inside_a_pause_does_not_restart_the_hangover() -> None:
     # spk2_snt1 has one 32 ms window of Silero wavering 100 ms after the sentence: it is pause, not speech.
-    endpointer = Endpointer(EndpointingPolicy(), window_ms=32)
-    events = []
-    for p in [0.9] * 10 + [0.0] * 3 + [0.9] + [0.0] * 12:
-        event = endpointer.push(p)
-        if event:
-            events.append((endpointer.now_ms, event))
+    events = run([0.9] * 10 + [0.0] * 3 + [0.9] + [0.0] * 12)
     assert [e for _, e in events] == [
         Event.SPEECH_STARTED,
-        Event.SILENCE_STARTED,
+        Event.SPEECH_STOPPED,
         Event.ENDPOINT_CANDIDATE,
         Event.END_OF_TURN,
     ]
     speech_end = 10 * 32
     assert events[-1][0] == speech_end + 320  # the blip counted as pause: ten 32 ms windows >= 300 ms
-    assert endpointer.speech_end_ms == speech_end
 
 
 def test_the_pause_clock_stops_while_speech_may_be_resuming() -> None:
@@ -86,3 +92,60 @@ def test_the_pause_clock_stops_while_speech_may_be_resuming() -> None:
     kinds = [e for _, e in events]
     assert kinds.count(Event.END_OF_TURN) == 1 and kinds[-1] is Event.END_OF_TURN
     assert Event.SPEECH_RESUMED in kinds
+
+
+# ---- the completeness score picks the hangover ------------------------------------------------------------
+SEMANTIC = EndpointingPolicy()  # defaults: candidate 32, short 64, fixed 288, long 1200
+
+
+def commit_after_ms(scores: dict[int, float] | None, silence_windows: int = 60) -> int | None:
+    events = run([0.9] * 10 + [0.0] * silence_windows, SEMANTIC, scores)
+    ends = [at for at, event in events if event is Event.END_OF_TURN]
+    return ends[0] - 10 * 32 if ends else None
+
+
+def test_a_pause_scored_complete_commits_after_the_short_hangover() -> None:
+    # The score arrives at the third silent window (96 ms): the turn commits then (past the 64 ms minimum).
+    assert commit_after_ms({12: 0.95}) == 96
+
+
+def test_a_pause_scored_incomplete_waits_the_long_hangover() -> None:
+    assert commit_after_ms({12: 0.05}) == pytest.approx(SEMANTIC.max_hangover_ms, abs=32)
+
+
+def test_an_unsure_score_waits_in_between() -> None:
+    waited = commit_after_ms({12: 0.5})
+    assert waited is not None and SEMANTIC.min_hangover_ms < waited < SEMANTIC.max_hangover_ms
+
+
+def test_a_score_that_never_comes_leaves_the_fixed_hangover() -> None:
+    assert commit_after_ms(None) == pytest.approx(SEMANTIC.hangover_ms, abs=32)
+
+
+def test_a_late_score_cannot_reopen_a_committed_turn() -> None:
+    endpointer = Endpointer(SEMANTIC, window_ms=32)
+    for p in [0.9] * 10 + [0.0] * 12:  # 384 ms of silence: the fixed hangover committed it
+        endpointer.push(p)
+    assert not endpointer.in_turn
+    assert endpointer.score(endpointer.pause_id, 0.0) == []
+
+
+def test_a_score_of_an_earlier_pause_is_ignored() -> None:
+    endpointer = Endpointer(SEMANTIC, window_ms=32)
+    for p in [0.9] * 10 + [0.0] * 2:
+        endpointer.push(p)
+    stale = endpointer.pause_id
+    for p in [0.9] * 5 + [0.0] * 2:  # speech resumed, a new pause began
+        endpointer.push(p)
+    assert endpointer.score(stale, 1.0) == [] and endpointer.in_turn
+
+
+def test_policy_ranges_are_checked_in_one_place() -> None:
+    assert policy_from(asr_pb2.EndpointingConfig()) == EndpointingPolicy()
+    assert policy_from(to_proto(FIXED)) == FIXED
+    with pytest.raises(RequestError, match="min_hangover_ms <= hangover_ms"):
+        policy_from(asr_pb2.EndpointingConfig(hangover_ms=2000))
+    with pytest.raises(RequestError, match="vad_threshold=1.5 out of range"):
+        policy_from(asr_pb2.EndpointingConfig(vad_threshold=1.5))
+    with pytest.raises(RequestError, match="hangover_ms=20000 out of range"):
+        policy_from(asr_pb2.EndpointingConfig(hangover_ms=20000, fixed_hangover=True))

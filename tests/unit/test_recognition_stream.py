@@ -47,7 +47,7 @@ async def _run(final_after_end_of_turn: bool) -> tuple[list[int], list[str]]:
     config = asr_pb2.RecognitionConfig(
         session_id="s", sample_rate_hz=16000, final_after_end_of_turn=final_after_end_of_turn
     )
-    policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256)
+    policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
     stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)  # type: ignore[arg-type]
     # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()

@@ -21,11 +21,13 @@ COPY protos/ protos/
 COPY voicemesh/ voicemesh/
 COPY services/ services/
 COPY gateway/ gateway/
+# pipecat-ai carries Smart Turn v3.2, the end-of-turn model; its dependencies clash with ours and are unused.
 # The pip cache mount keeps built wheels (llama-cpp-python's ~10 min compile) across source changes.
 RUN --mount=type=cache,target=/root/.cache/pip \
     /opt/protoc/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
        protos/voicemesh/v1/*.proto \
-    && pip install ".[asr]"
+    && pip install ".[asr]" \
+    && pip install --no-deps "pipecat-ai==1.14.0"
 
 # Runtime: the venv and a non-root user, nothing else.
 FROM python:3.11-slim AS runtime

@@ -1,0 +1,288 @@
+"""The turn policy of one conversation: a pure, synchronous state machine. Events and the clock in, commands out.
+
+It decides when a reply starts (speculatively at the first silence, or on the committed transcript), when it may
+be heard, and what user speech over a reply means:
+- a backchannel ("yeah", "mm-hmm"): nothing; the reply goes on;
+- a false interruption (a cough, a door, speech that yields no words in time): playout pauses while the
+  speech lasts and then resumes where it paused;
+- a real interruption (words): the reply stops within a frame and the user's speech becomes the next turn.
+
+When the user's turn ends is decided by the ASR (its hangover follows a completeness score of the pause);
+this controller acts on what the ASR reports. `gateway/session.py` carries the commands out over gRPC.
+No I/O, no asyncio: every method takes the time in milliseconds of a monotonic clock.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+DEFAULT_BACKCHANNELS = frozenset(
+    {
+        "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "uh-huh", "mm-hmm", "mhm", "mm",
+        "hmm", "hm", "uh", "um", "ah", "oh", "aha", "huh", "i see", "got it", "cool",
+    }
+)  # fmt: skip
+_ANNOTATION = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")  # Whisper's "[cough]", "(laughs)": not words
+_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
+
+
+@dataclass(frozen=True)
+class TurnPolicy:
+    """How the controller treats speech; one per session (PipelineOptions fills it)."""
+
+    speculative_start: bool = True
+    """Start the reply on the ASR endpoint candidate; it is heard only once the turn commits."""
+    barge_in: bool = True
+    """User speech over the reply can interrupt it."""
+    barge_in_min_speech_ms: int = 500
+    """Speech over the reply this long, whose words are not known yet, pauses playout until they are.
+    Words decide sooner: a non-backchannel word in any transcript of the speech interrupts at once."""
+    resume_false_interruptions: bool = True
+    """Pause (and later resume) on wordless speech over the reply; off: such speech interrupts, as before."""
+    false_interruption_timeout_ms: int = 1000
+    """A pause whose speech yields no words in this long was a false interruption: playout resumes."""
+    backchannels: frozenset[str] = DEFAULT_BACKCHANNELS
+    """Words and phrases that, alone, acknowledge the reply rather than interrupt it (lower case)."""
+
+
+def words_of(text: str) -> list[str]:
+    """The spoken words of a transcript: lower case, no punctuation, no "[cough]"-style annotations."""
+    return _WORD.findall(_ANNOTATION.sub(" ", text.lower()))
+
+
+def is_backchannel(words: list[str], backchannels: frozenset[str]) -> bool:
+    """True when every word, or every adjacent pair ("i see"), is an acknowledgement."""
+    index = 0
+    while index < len(words):
+        if index + 1 < len(words) and f"{words[index]} {words[index + 1]}" in backchannels:
+            index += 2
+        elif words[index] in backchannels:
+            index += 1
+        else:
+            return False
+    return bool(words)
+
+
+# ---- commands ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StartReply:
+    """Generate and synthesize a reply to `user_text`; hold its audio until CommitReply."""
+
+    reply_id: int
+    user_text: str
+    speculative: bool
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    """A reply that was never committed: stop its work; it is never heard and never enters the history."""
+
+    reply_id: int
+
+
+@dataclass(frozen=True)
+class CommitReply:
+    """The user's turn is over with `user_text`: it enters the history and the reply may be heard."""
+
+    reply_id: int
+    user_text: str
+
+
+@dataclass(frozen=True)
+class PausePlayout:
+    """Stop sending the reply's audio within a frame but keep it: the speech over it may yet be nothing."""
+
+    reply_id: int
+
+
+@dataclass(frozen=True)
+class ResumePlayout:
+    """Send the paused reply's audio on from where it paused (a false interruption or a backchannel)."""
+
+    reply_id: int
+    reason: str  # "false_interruption" or "backchannel"
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """The user took the turn: stop the audio within a frame, cancel LLM and TTS; the history keeps what was
+    heard, marked as interrupted."""
+
+    reply_id: int
+
+
+@dataclass(frozen=True)
+class EndTurn:
+    """The reply is over (played to its end, or failed): back to listening."""
+
+    reply_id: int
+
+
+Command = StartReply | CancelReply | CommitReply | PausePlayout | ResumePlayout | Interrupt | EndTurn
+
+
+@dataclass
+class _Overlap:
+    """User speech while a committed reply is current."""
+
+    started_ms: float
+    stopped_ms: float | None = None
+    paused_ms: float | None = None
+    backchannel: bool = False
+
+
+@dataclass
+class TurnController:
+    """One session's turn state. Call the `on_*` methods as things happen and `tick` at `next_tick_ms`."""
+
+    policy: TurnPolicy = field(default_factory=TurnPolicy)
+    speculative: tuple[int, str] | None = None  # (reply id, the transcript it answers)
+    current: int | None = None  # the committed reply, until it ends
+    _overlap: _Overlap | None = None
+    _ids: int = 0
+
+    # ---- ASR events ----------------------------------------------------------------------------------------
+    def on_speech_started(self, now_ms: float) -> list[Command]:
+        if self.current is not None and self.policy.barge_in and self._overlap is None:
+            self._overlap = _Overlap(started_ms=now_ms)
+        return self.tick(now_ms)
+
+    def on_speech_stopped(self, now_ms: float) -> list[Command]:
+        if self._overlap is not None and self._overlap.stopped_ms is None:
+            self._overlap.stopped_ms = now_ms
+        return self.tick(now_ms)
+
+    def on_partial(self, now_ms: float, text: str) -> list[Command]:
+        return self._overlap_words(now_ms, text) + self.tick(now_ms)
+
+    def on_candidate(self, now_ms: float, text: str) -> list[Command]:
+        """A silence began and `text` is the transcript so far: start a reply to it, unheard for now."""
+        commands = self._overlap_words(now_ms, text)
+        if self.current is not None or not self.policy.speculative_start or not words_of(text):
+            return commands + self.tick(now_ms)
+        if self.speculative is not None:
+            if self.speculative[1] == text:
+                return commands
+            commands.append(CancelReply(self.speculative[0]))
+        self.speculative = (self._next_id(), text)
+        commands.append(StartReply(self.speculative[0], text, speculative=True))
+        return commands
+
+    def on_speech_resumed(self, now_ms: float) -> list[Command]:
+        """The user went on talking after a candidate: its speculative reply is withdrawn."""
+        commands = self._drop_speculative()
+        if self._overlap is not None:
+            self._overlap.stopped_ms = None
+        return commands + self.tick(now_ms)
+
+    def on_final(self, now_ms: float, text: str) -> list[Command]:
+        """The ASR committed the user's turn with `text`."""
+        commands = self._overlap_words(now_ms, text)
+        if self.current is not None:
+            # Speech over a reply that did not interrupt it (a backchannel, a cough): not a turn. Its pause ends.
+            overlap, self._overlap = self._overlap, None
+            if overlap is not None and overlap.paused_ms is not None:
+                commands.append(
+                    ResumePlayout(self.current, "backchannel" if overlap.backchannel else "false_interruption")
+                )
+            return commands + self._drop_speculative()
+        if not words_of(text):
+            return commands + self._drop_speculative()  # noise: no reply
+        if self.speculative is not None and self.speculative[1] == text:
+            reply_id = self.speculative[0]
+            self.speculative = None
+        else:
+            commands += self._drop_speculative()
+            reply_id = self._next_id()
+            commands.append(StartReply(reply_id, text, speculative=False))
+        self.current = reply_id
+        commands.append(CommitReply(reply_id, text))
+        return commands
+
+    # ---- reply progress ------------------------------------------------------------------------------------
+    def on_reply_done(self, reply_id: int) -> list[Command]:
+        """The committed reply's last frame went out."""
+        if reply_id != self.current:
+            return []
+        self.current, self._overlap = None, None
+        return [EndTurn(reply_id)]
+
+    def on_reply_failed(self, reply_id: int) -> list[Command]:
+        """A stage (LLM, TTS) failed mid-reply: the turn ends with what was heard; a speculative one is dropped."""
+        if self.speculative is not None and self.speculative[0] == reply_id:
+            return self._drop_speculative()
+        return self.on_reply_done(reply_id)
+
+    # ---- the clock -----------------------------------------------------------------------------------------
+    def tick(self, now_ms: float) -> list[Command]:
+        overlap = self._overlap
+        if overlap is None or self.current is None or overlap.backchannel:
+            return []
+        policy = self.policy
+        if overlap.paused_ms is None:
+            speech_ms = (overlap.stopped_ms if overlap.stopped_ms is not None else now_ms) - overlap.started_ms
+            if speech_ms >= policy.barge_in_min_speech_ms:
+                if not policy.resume_false_interruptions:
+                    return self._interrupt()
+                overlap.paused_ms = now_ms
+                return [PausePlayout(self.current)]
+            if overlap.stopped_ms is not None and now_ms - overlap.stopped_ms >= policy.false_interruption_timeout_ms:
+                self._overlap = None  # short and wordless: it never paused anything
+            return []
+        if now_ms - overlap.paused_ms >= policy.false_interruption_timeout_ms:
+            self._overlap = None
+            return [ResumePlayout(self.current, "false_interruption")]
+        return []
+
+    @property
+    def next_tick_ms(self) -> float | None:
+        """When `tick` next matters (None: only events can change anything)."""
+        overlap = self._overlap
+        if overlap is None or self.current is None or overlap.backchannel:
+            return None
+        timeout = self.policy.false_interruption_timeout_ms
+        if overlap.paused_ms is not None:
+            return overlap.paused_ms + timeout
+        if overlap.stopped_ms is not None:
+            return overlap.stopped_ms + timeout
+        return overlap.started_ms + self.policy.barge_in_min_speech_ms
+
+    @property
+    def paused(self) -> bool:
+        return self._overlap is not None and self._overlap.paused_ms is not None
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _overlap_words(self, now_ms: float, text: str) -> list[Command]:
+        """A transcript of the speech over the reply: words interrupt, acknowledgements let it go on."""
+        if self.current is None or not self.policy.barge_in:
+            return []
+        words = words_of(text)
+        if not words:
+            return []
+        if self._overlap is None:  # words without a speech start seen (a short utterance)
+            self._overlap = _Overlap(started_ms=now_ms, stopped_ms=now_ms)
+        overlap = self._overlap
+        if not is_backchannel(words, self.policy.backchannels):
+            return self._interrupt()
+        overlap.backchannel = True
+        if overlap.paused_ms is not None:
+            overlap.paused_ms = None
+            return [ResumePlayout(self.current, "backchannel")]
+        return []
+
+    def _interrupt(self) -> list[Command]:
+        assert self.current is not None
+        reply_id = self.current
+        self.current, self._overlap = None, None
+        return [Interrupt(reply_id)]
+
+    def _drop_speculative(self) -> list[Command]:
+        if self.speculative is None:
+            return []
+        reply_id, self.speculative = self.speculative[0], None
+        return [CancelReply(reply_id)]
+
+    def _next_id(self) -> int:
+        self._ids += 1
+        return self._ids

@@ -1,0 +1,135 @@
+"""How finished an utterance sounds at a pause, 0-1: an audio end-of-turn model fused with the transcript's ending.
+
+The two make different mistakes (the audio model misses clause boundaries of long sentences, the transcript
+misses a finished sentence that Whisper did not punctuate), so the score is their weighted mean and the
+endpointing waits longer when they disagree (voicemesh/endpointing.py maps the score to a hangover).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import importlib.metadata
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+from faster_whisper.feature_extractor import FeatureExtractor
+
+SAMPLE_RATE_HZ = 16000
+SMART_TURN_FILE = "smart-turn-v3.2-cpu.onnx"
+SMART_TURN_PACKAGE = "pipecat-ai"
+SMART_TURN_WINDOW_S = 8
+
+# Words after which a speaker is almost never done: conjunctions, prepositions, articles, fillers, auxiliaries.
+CONTINUATION_WORDS = frozenset(
+    """and but or nor so because since although though while whereas if unless until when whenever where
+    which who whom whose that than then as like the a an my your his her its our their this these those some
+    any every no of to in on at for from with without about into onto over under between through after before
+    during against among by um uh er erm ah is are was were be been being am do does did have has had will
+    would shall should can could may might must i we you he she they it's i'm let's very really just also
+    not""".split()
+)
+_WORD = re.compile(r"[a-z0-9']+")
+
+
+def smart_turn_path() -> Path:
+    """Smart Turn v3.2 (Daily, BSD-2-Clause) as shipped inside the `pipecat-ai` wheel, found without importing
+    pipecat (its dependencies are not installed: `pip install --no-deps pipecat-ai`)."""
+    try:
+        files = importlib.metadata.files(SMART_TURN_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as error:
+        raise FileNotFoundError(
+            f"the Smart Turn model comes from the {SMART_TURN_PACKAGE} wheel: "
+            f"pip install --no-deps {SMART_TURN_PACKAGE}==1.14.0 (or run the ASR with --turn-model text)"
+        ) from error
+    for file in files:
+        if file.name == SMART_TURN_FILE:
+            return Path(str(file.locate()))
+    raise FileNotFoundError(f"{SMART_TURN_FILE} is not in the installed {SMART_TURN_PACKAGE}; reinstall it")
+
+
+class SmartTurn:
+    """The Smart Turn v3 audio model: the last 8 s of a turn's audio in, P(the speaker has finished) out.
+
+    ~50 ms per call on one core. Its Whisper-style features are taken from a level-normalized waveform, so a
+    quiet speaker scores like a loud one.
+    """
+
+    def __init__(self, path: Path | None = None, threads: int = 1) -> None:
+        options = onnxruntime.SessionOptions()
+        # One thread: the score runs beside Whisper's final decode (2 threads) on a 2-core machine.
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        options.log_severity_level = 3
+        self._session = onnxruntime.InferenceSession(
+            str(path or smart_turn_path()), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+        self._features = FeatureExtractor(feature_size=80, sampling_rate=SAMPLE_RATE_HZ, chunk_length=8)
+
+    def probability(self, audio: np.ndarray) -> float:
+        """P(complete) for 16 kHz float32 audio ending at the pause (only its last 8 s count)."""
+        window = SMART_TURN_WINDOW_S * SAMPLE_RATE_HZ
+        audio = np.asarray(audio, dtype=np.float32)[-window:]
+        audio = np.pad(audio, (window - len(audio), 0))  # the model was trained with leading zero padding
+        audio = (audio - audio.mean()) / np.sqrt(audio.var() + 1e-7)
+        features = self._features(audio, padding=0)[:, : SMART_TURN_WINDOW_S * 100]
+        (output,) = self._session.run(None, {"input_features": features[None, :, :].astype(np.float32)})
+        return float(np.asarray(output).reshape(-1)[0])
+
+
+def text_completeness(text: str) -> float | None:
+    """How finished a transcript reads, from its ending: Whisper punctuates what it hears as a sentence end.
+
+    None when there are no words (nothing to judge)."""
+    words = _WORD.findall(text.lower())
+    if not words:
+        return None
+    stripped = text.rstrip()
+    if words[-1] in CONTINUATION_WORDS:
+        return 0.1
+    if stripped.endswith("..."):
+        return 0.2  # Whisper's trailing ellipsis: the voice trailed off mid-thought
+    if stripped[-1:] in "?!":
+        return 0.95
+    if stripped[-1:] == ".":
+        return 0.8
+    if stripped[-1:] in ",;:-":
+        return 0.15
+    return 0.4  # no punctuation at all: Whisper was not sure either
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """The weighted mean of the two signals; either alone when the other is missing."""
+
+    audio_weight: float = 0.5
+
+    def score(self, audio: float | None, text: float | None) -> float | None:
+        if audio is None or text is None:
+            return audio if text is None else text
+        return self.audio_weight * audio + (1 - self.audio_weight) * text
+
+
+class TurnScorer:
+    """Scores pauses for every stream of a server: the audio model on a thread of its own (so it runs beside the
+    Whisper draft decode rather than behind it), then the fusion with the draft's transcript."""
+
+    def __init__(self, audio_model: SmartTurn | None, fusion: Fusion | None = None) -> None:
+        self.audio_model = audio_model
+        self.fusion = fusion or Fusion()
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="turn-score")
+
+    async def audio_score(self, audio: np.ndarray) -> float | None:
+        if self.audio_model is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self.audio_model.probability, audio)
+
+    def fuse(self, audio_score: float | None, text: str) -> float | None:
+        return self.fusion.score(audio_score, text_completeness(text))
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,193 @@
+"""The turn policy driven through scripted event sequences: no models, no network, no event loop."""
+
+from __future__ import annotations
+
+from gateway.turn import (
+    CancelReply,
+    CommitReply,
+    EndTurn,
+    Interrupt,
+    PausePlayout,
+    ResumePlayout,
+    StartReply,
+    TurnController,
+    TurnPolicy,
+    is_backchannel,
+    words_of,
+)
+
+
+def replying(policy: TurnPolicy | None = None) -> TurnController:
+    """A controller whose first reply is committed and playing."""
+    controller = TurnController(policy or TurnPolicy())
+    controller.on_speech_started(0)
+    controller.on_speech_stopped(1500)
+    controller.on_candidate(1600, "What is the time?")
+    assert controller.on_final(1700, "What is the time?") == [CommitReply(1, "What is the time?")]
+    return controller
+
+
+def test_a_speculative_reply_starts_at_the_candidate_and_is_committed_by_the_same_final() -> None:
+    controller = TurnController()
+    assert controller.on_speech_started(0) == []
+    assert controller.on_speech_stopped(1000) == []
+    assert controller.on_candidate(1080, "Hello there.") == [StartReply(1, "Hello there.", speculative=True)]
+    assert controller.on_final(1150, "Hello there.") == [CommitReply(1, "Hello there.")]
+    assert controller.current == 1 and controller.speculative is None
+    assert controller.on_reply_done(1) == [EndTurn(1)]
+    assert controller.current is None
+
+
+def test_a_pause_inside_a_sentence_discards_the_speculative_reply_and_answers_the_whole_sentence() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_speech_stopped(900)
+    assert controller.on_candidate(980, "The child almost hurt") == [StartReply(1, "The child almost hurt", True)]
+    assert controller.on_speech_resumed(1400) == [CancelReply(1)]  # never heard, never in the history
+    controller.on_speech_stopped(2400)
+    assert controller.on_candidate(2480, "The child almost hurt the small dog.") == [
+        StartReply(2, "The child almost hurt the small dog.", True)
+    ]
+    assert controller.on_final(2550, "The child almost hurt the small dog.") == [
+        CommitReply(2, "The child almost hurt the small dog.")
+    ]
+
+
+def test_a_final_that_differs_from_the_candidate_replaces_the_speculative_reply() -> None:
+    controller = TurnController()
+    controller.on_candidate(100, "We are sure")
+    assert controller.on_final(400, "We are sure that one war is enough.") == [
+        CancelReply(1),
+        StartReply(2, "We are sure that one war is enough.", speculative=False),
+        CommitReply(2, "We are sure that one war is enough."),
+    ]
+
+
+def test_without_speculative_start_the_reply_starts_on_the_final() -> None:
+    controller = TurnController(TurnPolicy(speculative_start=False))
+    assert controller.on_candidate(100, "Hi.") == []
+    assert controller.on_final(200, "Hi.") == [StartReply(1, "Hi.", False), CommitReply(1, "Hi.")]
+
+
+def test_noise_and_silence_start_no_reply() -> None:
+    controller = TurnController()
+    assert controller.on_candidate(100, "") == []
+    assert controller.on_candidate(100, "[coughing]") == []
+    assert controller.on_final(300, "(door slams)") == []
+    assert controller.current is None and controller.speculative is None
+
+
+def test_a_backchannel_over_the_reply_does_not_stop_it() -> None:
+    controller = replying()
+    assert controller.on_speech_started(3000) == []
+    assert controller.on_speech_stopped(3300) == []  # 300 ms: under the 500 ms that would pause the reply
+    assert controller.on_candidate(3400, "Yeah.") == []
+    assert controller.on_final(3700, "Yeah.") == []
+    assert controller.tick(6000) == []
+    assert controller.current == 1
+    assert controller.on_reply_done(1) == [EndTurn(1)]
+
+
+def test_a_long_backchannel_pauses_the_reply_and_its_words_resume_it() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    assert controller.next_tick_ms == 3500
+    assert controller.tick(3500) == [PausePlayout(1)]
+    assert controller.paused
+    assert controller.on_partial(3600, "Mm-hmm.") == [ResumePlayout(1, "backchannel")]
+    assert not controller.paused and controller.current == 1
+    assert controller.on_final(4000, "Mm-hmm.") == []  # not a user turn
+
+
+def test_a_false_interruption_pauses_the_reply_then_resumes_where_it_paused() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)  # a cough
+    assert controller.tick(3500) == [PausePlayout(1)]
+    assert controller.on_speech_stopped(3600) == []
+    assert controller.on_candidate(3700, "") == []  # no words
+    assert controller.next_tick_ms == 4500
+    assert controller.tick(4400) == []
+    assert controller.tick(4500) == [ResumePlayout(1, "false_interruption")]
+    assert controller.current == 1 and not controller.paused
+
+
+def test_a_wordless_final_ends_the_pause_at_once() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    controller.tick(3500)
+    assert controller.on_final(3900, "") == [ResumePlayout(1, "false_interruption")]
+
+
+def test_words_over_the_reply_interrupt_it_and_become_the_next_turn() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    assert controller.on_partial(3250, "Wait, stop") == [Interrupt(1)]  # before any pause: words decide at once
+    assert controller.current is None
+    controller.on_speech_stopped(3600)
+    assert controller.on_candidate(3700, "Wait, stop.") == [StartReply(2, "Wait, stop.", True)]
+    assert controller.on_final(3800, "Wait, stop.") == [CommitReply(2, "Wait, stop.")]
+
+
+def test_a_short_word_over_the_reply_interrupts_once_it_is_transcribed() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    controller.on_speech_stopped(3250)  # "No." is short: no pause
+    assert controller.on_candidate(3350, "No.") == [Interrupt(1), StartReply(2, "No.", True)]
+
+
+def test_a_backchannel_then_words_interrupts() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    assert controller.on_partial(3200, "Yeah") == []
+    assert controller.on_partial(3600, "Yeah, but what about tomorrow") == [Interrupt(1)]
+
+
+def test_without_false_interruption_handling_long_speech_interrupts() -> None:
+    controller = replying(TurnPolicy(resume_false_interruptions=False))
+    controller.on_speech_started(3000)
+    assert controller.tick(3500) == [Interrupt(1)]
+
+
+def test_with_barge_in_off_speech_over_the_reply_changes_nothing() -> None:
+    controller = replying(TurnPolicy(barge_in=False))
+    assert controller.on_speech_started(3000) == []
+    assert controller.tick(5000) == []
+    assert controller.on_partial(3300, "Stop talking") == []
+    assert controller.on_final(4000, "Stop talking.") == []
+    assert controller.current == 1
+
+
+def test_configured_backchannels_replace_the_defaults() -> None:
+    controller = replying(TurnPolicy(backchannels=frozenset({"ja", "genau"})))
+    controller.on_speech_started(3000)
+    assert controller.on_partial(3200, "Genau.") == []
+    assert controller.on_partial(3400, "Yeah.") == [Interrupt(1)]  # not an acknowledgement in this session
+
+
+def test_the_tts_going_down_mid_reply_ends_the_turn_and_listening_goes_on() -> None:
+    controller = replying()
+    assert controller.on_reply_failed(1) == [EndTurn(1)]
+    assert controller.current is None
+    assert controller.on_candidate(5000, "Are you there?") == [StartReply(2, "Are you there?", True)]
+    assert controller.on_reply_failed(2) == [CancelReply(2)]  # a speculative reply that lost its voice
+    assert controller.on_final(5200, "Are you there?") == [
+        StartReply(3, "Are you there?", False),
+        CommitReply(3, "Are you there?"),
+    ]
+
+
+def test_a_paused_reply_that_fails_ends_the_turn_without_resuming() -> None:
+    controller = replying()
+    controller.on_speech_started(3000)
+    controller.tick(3500)
+    assert controller.on_reply_failed(1) == [EndTurn(1)]
+    assert controller.next_tick_ms is None and controller.tick(9000) == []
+
+
+def test_words_and_backchannels_of_a_transcript() -> None:
+    defaults = TurnPolicy().backchannels
+    assert words_of("Uh-huh. [laughs] Okay!") == ["uh-huh", "okay"]
+    assert is_backchannel(words_of("Mm-hmm."), defaults)
+    assert is_backchannel(words_of("Oh, I see."), defaults)
+    assert not is_backchannel(words_of("I see a problem."), defaults)
+    assert not is_backchannel([], defaults)

@@ -1,0 +1,95 @@
+"""End-of-turn settings: the one definition of their defaults and ranges, read by the gateway (which refuses a
+bad session config up front) and by the ASR (which applies it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from voicemesh.errors import invalid
+from voicemesh.v1 import asr_pb2
+
+
+@dataclass(frozen=True)
+class EndpointingPolicy:
+    """When a pause ends a turn. Durations in milliseconds of audio, counted in 32 ms VAD windows."""
+
+    vad_threshold: float = 0.5
+    """Speech probability above which a window is speech (a window below threshold-0.15 is silence)."""
+    candidate_silence_ms: int = 32
+    """Silence after speech that makes an endpoint candidate: the final decode and a speculative reply start
+    at the first silent window, whatever the hangover turns out to be."""
+    hangover_ms: int = 288
+    """The fixed hangover: used when `fixed_hangover` is set, and whenever the pause's completeness score is
+    not in by then (a slow or failing scorer never holds a turn open). 288 ms = nine windows, the shortest that
+    kept the tuning clips' in-sentence pauses whole."""
+    min_speech_ms: int = 96
+    """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
+    min_hangover_ms: int = 64
+    """The wait after a pause scored complete: the floor of voice-to-voice latency."""
+    max_hangover_ms: int = 1200
+    """The wait after a pause scored incomplete: mid-sentence pauses of real speakers run to 600-800 ms."""
+    fixed_hangover: bool = False
+    """Commit after exactly `hangover_ms` of silence, without a completeness score (the baseline)."""
+
+    def hangover_for(self, completeness: float | None) -> int:
+        """The silence that commits a pause whose completeness score is `completeness` (None: not scored)."""
+        if self.fixed_hangover or completeness is None:
+            return self.hangover_ms
+        # Sure it is complete: the short wait; sure it is not: the long one; in between, longer when less sure.
+        unsure = min(1.0, max(0.0, (COMPLETE_AT - completeness) / (COMPLETE_AT - INCOMPLETE_AT)))
+        return round(self.min_hangover_ms + unsure * (self.max_hangover_ms - self.min_hangover_ms))
+
+
+COMPLETE_AT = 0.7
+"""A completeness score at or above this takes the short wait (tuned by `python -m bench.turns`)."""
+INCOMPLETE_AT = 0.3
+"""At or below this, the long wait."""
+
+
+def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
+    """The policy a request asks for (zero fields: defaults); raises INVALID_ARGUMENT naming a bad field."""
+    default = EndpointingPolicy()
+    policy = EndpointingPolicy(
+        vad_threshold=message.vad_threshold or default.vad_threshold,
+        candidate_silence_ms=message.candidate_silence_ms or default.candidate_silence_ms,
+        hangover_ms=message.hangover_ms or default.hangover_ms,
+        min_speech_ms=message.min_speech_ms or default.min_speech_ms,
+        min_hangover_ms=message.min_hangover_ms or default.min_hangover_ms,
+        max_hangover_ms=message.max_hangover_ms or default.max_hangover_ms,
+        fixed_hangover=message.fixed_hangover,
+    )
+    if not 0.05 <= policy.vad_threshold <= 0.95:
+        raise invalid(f"endpointing.vad_threshold={policy.vad_threshold:g} out of range; send 0.05-0.95")
+    for name in ("candidate_silence_ms", "hangover_ms", "min_hangover_ms", "max_hangover_ms"):
+        value = getattr(policy, name)
+        if not 32 <= value <= 10000:
+            raise invalid(f"endpointing.{name}={value} out of range; send 32-10000")
+    if not 32 <= policy.min_speech_ms <= 2000:
+        raise invalid(f"endpointing.min_speech_ms={policy.min_speech_ms} out of range; send 32-2000")
+    if policy.fixed_hangover:
+        if policy.hangover_ms < policy.candidate_silence_ms:
+            raise invalid(
+                f"endpointing.hangover_ms={policy.hangover_ms} is shorter than candidate_silence_ms="
+                f"{policy.candidate_silence_ms}; the hangover must be at least as long"
+            )
+        return policy
+    if not policy.candidate_silence_ms <= policy.min_hangover_ms <= policy.hangover_ms <= policy.max_hangover_ms:
+        raise invalid(
+            "endpointing needs candidate_silence_ms <= min_hangover_ms <= hangover_ms <= max_hangover_ms; got "
+            f"{policy.candidate_silence_ms} <= {policy.min_hangover_ms} <= {policy.hangover_ms} <= "
+            f"{policy.max_hangover_ms}"
+        )
+    return policy
+
+
+def to_proto(policy: EndpointingPolicy) -> asr_pb2.EndpointingConfig:
+    """Every field explicit, so the ASR applies exactly what the gateway checked."""
+    return asr_pb2.EndpointingConfig(
+        vad_threshold=policy.vad_threshold,
+        candidate_silence_ms=policy.candidate_silence_ms,
+        hangover_ms=policy.hangover_ms,
+        min_speech_ms=policy.min_speech_ms,
+        min_hangover_ms=policy.min_hangover_ms,
+        max_hangover_ms=policy.max_hangover_ms,
+        fixed_hangover=policy.fixed_hangover,
+    )
