@@ -28,7 +28,7 @@ from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
 DEFAULT_CLIPS = ("spk1_snt1", "spk2_snt1", "wizard", "horizon")
-NAIVE_ENDPOINTING = asr_pb2.EndpointingConfig(candidate_silence_ms=200, hangover_ms=200)
+NAIVE_ENDPOINTING = asr_pb2.EndpointingConfig(candidate_silence_ms=200, hangover_ms=200, fixed_hangover=True)
 
 MODES = {
     "a_naive": conversation_pb2.PipelineOptions(

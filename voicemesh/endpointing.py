@@ -76,8 +76,8 @@ def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
     if not policy.candidate_silence_ms <= policy.min_hangover_ms <= policy.hangover_ms <= policy.max_hangover_ms:
         raise invalid(
             "endpointing needs candidate_silence_ms <= min_hangover_ms <= hangover_ms <= max_hangover_ms; got "
-            f"{policy.candidate_silence_ms} <= {policy.min_hangover_ms} <= {policy.hangover_ms} <= "
-            f"{policy.max_hangover_ms}"
+            f"candidate_silence_ms={policy.candidate_silence_ms}, min_hangover_ms={policy.min_hangover_ms}, "
+            f"hangover_ms={policy.hangover_ms}, max_hangover_ms={policy.max_hangover_ms}"
         )
     return policy
 

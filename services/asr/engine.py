@@ -108,10 +108,10 @@ class WhisperTranscriber:
             if w.end <= duration_s + 0.5  # words "heard" in the padding are hallucinations
         ]
         if word_timestamps:
-            words = words[: len(clean_tail(collapse_repetition([w.text for w in words])))]
+            words = words[: len(clean_tail(drop_repeated_tail(collapse_repetition([w.text for w in words]))))]
             text = " ".join(w.text for w in words)
         else:
-            text = " ".join(clean_tail(collapse_repetition(" ".join(s.text for s in segments).split())))
+            text = " ".join(clean_tail(drop_repeated_tail(collapse_repetition(" ".join(s.text for s in segments).split()))))
         return Transcript(
             text=text, words=words, compute_ms=(time.monotonic_ns() - started) / 1e6, done_us=time.time_ns() // 1000
         )
@@ -135,6 +135,24 @@ def collapse_repetition(words: list[str]) -> list[str]:
             repeated += 1
         if repeated >= (3 if period >= 3 else 2 * period):
             return words[:period]
+    return words
+
+
+def drop_repeated_tail(words: list[str]) -> list[str]:
+    """Undo Whisper repeating the end of the utterance in the padding: "...before you go out before you go" ->
+    "...before you go out".
+
+    The last 2+ words are dropped when the same words stand just before them, at most two words earlier. Such a
+    repeat also makes the final differ from the endpoint candidate, which throws the speculative reply away.
+    """
+    keys = [_norm(w) for w in words]
+    n = len(keys)
+    for length in range(n // 2, 1, -1):
+        tail = keys[n - length :]
+        for gap in range(3):
+            end = n - length - gap
+            if end - length >= 0 and keys[end - length : end] == tail:
+                return words[: n - length]
     return words
 
 

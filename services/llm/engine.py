@@ -13,6 +13,8 @@ from voicemesh.limits import DEFAULT_MAX_TOKENS
 class Message:
     role: str  # "system", "user" or "assistant"
     content: str
+    # An assistant reply the user spoke over: `content` is only the part that was heard.
+    interrupted: bool = False
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,17 @@ from pathlib import Path
 import grpc
 from opentelemetry.trace import Span
 
-from services.llm.engine import DEFAULT_MAX_TOKENS, Engine, GenerationRequest, Message
+from services.llm.engine import Engine, GenerationRequest, Message
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
+from voicemesh.limits import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
 from voicemesh.serving import Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
-MAX_TOKENS_LIMIT = 512
 MAX_PROMPT_CHARS = 16_000
 ROLES = {llm_pb2.ROLE_SYSTEM: "system", llm_pb2.ROLE_USER: "user", llm_pb2.ROLE_ASSISTANT: "assistant"}
 FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
@@ -68,15 +68,22 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
             raise invalid(f"messages[{index}].role={item.role} unknown; send ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
         if not item.content.strip():
             raise invalid(f"messages[{index}].content is empty")
+        if item.interrupted and item.role != llm_pb2.ROLE_ASSISTANT:
+            raise invalid(
+                f"messages[{index}].interrupted is set on a ROLE_{ROLES[item.role].upper()} message; "
+                "only a ROLE_ASSISTANT reply can be interrupted"
+            )
         total += len(item.content)
-        messages.append(Message(ROLES[item.role], item.content))
+        messages.append(Message(ROLES[item.role], item.content, interrupted=item.interrupted))
     if total > MAX_PROMPT_CHARS:
         raise out_of_range(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS} (trim old turns)")
     if messages[-1].role != "user":
         raise invalid(f"the last message is ROLE_{messages[-1].role.upper()}; it must be ROLE_USER")
     max_tokens = message.max_tokens or DEFAULT_MAX_TOKENS
     if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise out_of_range(f"max_tokens={message.max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for 48)")
+        raise out_of_range(
+            f"max_tokens={message.max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for {DEFAULT_MAX_TOKENS})"
+        )
     if len(message.stop) > 8 or any(not 1 <= len(s) <= 64 for s in message.stop):
         raise invalid("stop: send at most 8 strings of 1-64 characters each")
     if not 0 <= message.temperature <= 2:

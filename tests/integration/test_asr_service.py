@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 
 from tests.conftest import TRANSCRIPTS, load_clip
 from tests.integration.helpers import expect_error, requests
 from voicemesh import clients
+from voicemesh.audio import Clip
 from voicemesh.clients import pcm_frame
 from voicemesh.evaluation import word_error_rate
 from voicemesh.v1 import asr_pb2, asr_pb2_grpc, audio_pb2
@@ -31,9 +33,14 @@ async def test_clips_streamed_in_real_time_are_transcribed_within_wer_015(servic
         assert wer <= 0.15, f"{name}: WER {wer:.2f}: {text!r}"
         kinds = [e.WhichOneof("event") for _, e in events]
         assert kinds[0] == "speech_started" and "final" in kinds
+        assert kinds.index("speech_stopped") < kinds.index("final"), "the pause is announced before the commit"
         for _, event in events:
             if event.WhichOneof("event") == "final":
                 assert event.timing.compute_ms > 0
+                # The pause's score chose the hangover; a score that came too late leaves the fixed one.
+                final = event.final
+                scored = 0 <= final.completeness <= 1 and final.score_ms > 0 and 64 <= final.hangover_ms <= 1200
+                assert scored or (final.completeness == -1 and final.hangover_ms == 288), (name, final)
                 assert event.final.words or not event.final.text, "finals carry word timings by default"
                 assert event.speech_end_capture_time_us > 0
 
@@ -54,11 +61,32 @@ async def test_48khz_input_is_resampled(services: dict[str, str]) -> None:
     assert word_error_rate(TRANSCRIPTS["spk2_snt1"], text) <= 0.15, text
 
 
+@pytest.mark.parametrize("quieter_db", [20, 30])
+async def test_a_quiet_speaker_is_heard_whole(services: dict[str, str], quieter_db: int) -> None:
+    """A distant laptop microphone: speech around -45 to -55 dBFS. Every word arrives, in one turn."""
+    clip = load_clip("horizon")
+    quiet = Clip(clip.samples * 10 ** (-quieter_db / 20), clip.rate_hz)
+    events = [e async for _, e in clients.recognize(services["asr"], quiet, realtime=True, trailing_silence_s=2.0)]
+    finals = [e.final.text for e in events if e.WhichOneof("event") == "final" and e.final.text.strip()]
+    assert len(finals) == 1, finals
+    assert word_error_rate(TRANSCRIPTS["horizon"], finals[0]) <= 0.15, finals[0]
+
+
+async def test_silence_and_noise_without_words_make_no_turn(services: dict[str, str]) -> None:
+    rng = np.random.default_rng(3)
+    silence = Clip(np.zeros(2 * 16000, np.float32), 16000)
+    hiss = Clip((rng.standard_normal(3 * 16000) * 0.03).astype(np.float32), 16000)  # steady noise, -30 dBFS
+    for clip in (silence, hiss):
+        events = [e async for _, e in clients.recognize(services["asr"], clip, realtime=False)]
+        finals = [e.final.text for e in events if e.WhichOneof("event") == "final" and e.final.text.strip()]
+        assert finals == []
+
+
 async def test_pause_gives_candidate_then_resume(services: dict[str, str]) -> None:
     """jfk.wav pauses ~1.1 s after "Americans": with a long hangover the candidate is withdrawn, one turn."""
     config = asr_pb2.RecognitionConfig(
         interim_results=False,
-        endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=150, hangover_ms=1600),
+        endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=150, hangover_ms=1600, fixed_hangover=True),
     )
     clip = load_clip("jfk")
     events = [e async for _, e in clients.recognize(services["asr"], clip, config=config, trailing_silence_s=2.0)]

@@ -81,7 +81,7 @@ async def test_two_turns_share_history_and_the_prefix_cache(gateway) -> None:
     assert second.cached_prompt_tokens > first.cached_prompt_tokens
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
     history = gateway.servicer.histories.get(session_id)
-    assert [role for role, _ in history] == ["user", "assistant", "user", "assistant"]
+    assert [entry.role for entry in history] == ["user", "assistant", "user", "assistant"]
 
 
 async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(gateway) -> None:
@@ -106,16 +106,47 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(gateway) -> N
     assert len(spoken) < len(reply_text), "the reply was cut short"
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
     history = gateway.servicer.histories.get(session_id)
-    said = [text for role, text in history if role == "assistant"]
-    assert said[0] == spoken if spoken else all(spoken not in s for s in said)
+    said = [entry for entry in history if entry.role == "assistant"]
+    if spoken:
+        assert said[0].text == spoken and said[0].interrupted, "only what was heard, marked as cut short"
     assert any("wizard" in t.user_text.lower() for t in turns), "the interruption became the next turn"
+
+
+async def speech_of(services: dict[str, str], text: str) -> Clip:
+    """`text` spoken by the project's own TTS at 16 kHz (no human backchannel recording is shipped)."""
+    pcm = bytearray()
+    async for _, event in clients.synthesize(services["tts"], [text], rate_hz=16000):
+        if event.WhichOneof("event") == "audio":
+            pcm += event.audio.frame.data
+    return Clip(pcm16_to_float(bytes(pcm)), 16000)
+
+
+async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -> None:
+    question = load_clip("spk1_snt1")
+    yeah = await speech_of(services, "Yeah.")
+    config = conversation_pb2.SessionConfig(
+        system_prompt="A talkative assistant who always answers with three long sentences.",
+        options=conversation_pb2.PipelineOptions(max_tokens=120),
+    )
+    # "Yeah" ~1.5 s after the question ended: well inside a reply of three long sentences.
+    turns, _, events = await talk(
+        target(gateway), question, config, trailing_silence_s=9.0, inject=[(question.duration_s + 1.5, yeah)]
+    )
+    assert not any(isinstance(e, Interrupted) for e in events), "a backchannel does not stop the reply"
+    assert len(turns) == 1, [t.user_text for t in turns]  # and it is not a turn of its own
+    done = [e for e in events if type(e).__name__ == "ReplyDone"]
+    assert done and done[0].turn_index == turns[0].turn_index, "the reply played to its end"
+    reply_audio_s = sum(len(e.pcm16) for e in events if isinstance(e, ReplyAudio)) / 2 / 16000
+    assert reply_audio_s > 2.5, f"only {reply_audio_s:.1f} s of reply: it stopped at the backchannel"
 
 
 async def test_a_pause_mid_sentence_never_speaks_the_speculative_reply(gateway) -> None:
     """jfk.wav pauses ~1.1 s after "Americans": a speculative reply starts there and must be discarded."""
     config = conversation_pb2.SessionConfig(
         options=conversation_pb2.PipelineOptions(
-            endpointing=asr_pb2.EndpointingConfig(candidate_silence_ms=64, hangover_ms=1500)
+            endpointing=asr_pb2.EndpointingConfig(
+                candidate_silence_ms=64, hangover_ms=1500, max_hangover_ms=1500, fixed_hangover=True
+            )
         )
     )
     turns, _, events = await talk(target(gateway), load_clip("jfk"), config, trailing_silence_s=3.0)
@@ -152,6 +183,25 @@ def _frame(seq: int, data: bytes = b"\x00\x00" * 320) -> conversation_pb2.Conver
             ("options.max_tokens=9999",),
         ),
         ([_config(session_id="x" * 200)], grpc.StatusCode.INVALID_ARGUMENT, ("session_id",)),
+        (
+            [
+                _config(
+                    options=conversation_pb2.PipelineOptions(endpointing=asr_pb2.EndpointingConfig(hangover_ms=20000))
+                )
+            ],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("options.endpointing.hangover_ms=20000", "32-10000"),
+        ),
+        (
+            [_config(options=conversation_pb2.PipelineOptions(false_interruption_timeout_ms=50))],
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("false_interruption_timeout_ms=50", "100-5000"),
+        ),
+        (
+            [_config(options=conversation_pb2.PipelineOptions(backchannels=["x" * 40]))],
+            grpc.StatusCode.OUT_OF_RANGE,
+            ("backchannels",),
+        ),
     ],
 )
 async def test_bad_input_gets_a_clear_status(gateway, messages, code, words) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+import re
 
 import grpc
 import pytest
@@ -13,6 +15,7 @@ from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
 USER = llm_pb2.ROLE_USER
+ASSISTANT = llm_pb2.ROLE_ASSISTANT
 
 
 async def test_streams_a_short_reply_with_timings_and_usage(services: dict[str, str]) -> None:
@@ -84,6 +87,11 @@ def _request(**fields: object) -> llm_pb2.GenerateRequest:
             grpc.StatusCode.INVALID_ARGUMENT,
             ("last message", "ROLE_USER"),
         ),
+        (
+            _request(messages=[llm_pb2.ChatMessage(role=USER, content="Hi", interrupted=True)]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("messages[0].interrupted", "ROLE_USER", "only a ROLE_ASSISTANT reply"),
+        ),
         (_request(temperature=5), grpc.StatusCode.OUT_OF_RANGE, ("temperature=5",)),
         (
             _request(messages=[llm_pb2.ChatMessage(role=USER, content="word " * 4000)]),
@@ -95,6 +103,43 @@ def _request(**fields: object) -> llm_pb2.GenerateRequest:
 async def test_bad_input_gets_a_clear_status(services: dict[str, str], request_, code, words) -> None:
     async with grpc.aio.insecure_channel(services["llm"]) as channel:
         await expect_error(llm_pb2_grpc.GeneratorStub(channel).Generate(request_), code, *words)
+
+
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+async def test_an_interrupted_reply_is_not_imitated_in_later_turns(services: dict[str, str]) -> None:
+    """Barge-in leaves only the heard words of a reply in the history. Rendered as an Assistant line, this dialogue
+    made every later reply "That is"; marked `interrupted`, the fragment stays context and is not repeated."""
+    session = "barge-in-fragment"
+    history = [llm_pb2.ChatMessage(role=USER, content="Do you know what I did today?")]
+    usage: list[llm_pb2.Usage] = []
+    replies: list[str] = []
+
+    async def reply(stub: llm_pb2_grpc.GeneratorStub) -> str:
+        request = llm_pb2.GenerateRequest(session_id=session, messages=history, temperature=0)
+        responses = [r async for r in stub.Generate(request)]
+        usage.append(responses[-1].usage)
+        return "".join(r.text_delta for r in responses).strip()
+
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        stub = llm_pb2_grpc.GeneratorStub(channel)
+        await reply(stub)  # the reply the user spoke over: only "That is" of it was heard
+        history.append(llm_pb2.ChatMessage(role=ASSISTANT, content="That is", interrupted=True))
+        for said in ("I went for a swim in the lake.", "The water was very cold.", "Tomorrow I will go running."):
+            history.append(llm_pb2.ChatMessage(role=USER, content=said))
+            text = await reply(stub)
+            replies.append(text)
+            history.append(llm_pb2.ChatMessage(role=ASSISTANT, content=text or "Okay."))
+    for text in replies:
+        assert _words(text) not in ("", "that is"), f"a later reply repeats the heard fragment: {replies}"
+        assert "interrupt" not in text.lower(), f"a later reply copies the interruption note: {replies}"
+    # The session's prompt still grows by appending: the turn after the interruption reuses everything up to the
+    # interrupted turn's `Assistant:` cue (which the note replaces), each later turn all of the turn before it.
+    assert usage[1].cached_prompt_tokens >= usage[0].prompt_tokens - 4, usage[:2]
+    for before, after in itertools.pairwise(usage[1:]):
+        assert after.cached_prompt_tokens >= before.prompt_tokens - 2, (before, after)
 
 
 async def test_concurrent_requests_queue_and_all_complete(services: dict[str, str]) -> None:

@@ -1,0 +1,299 @@
+"""End of turn: false cut-offs against dead air, for the fixed hangover and the completeness-scored one, side by side.
+
+The set, built from the real clips in ../shared/audio (word times from Whisper):
+  complete   each clip as recorded;
+  spliced    the clip with a pause of 200/400/600/800 ms spliced in at its middle word boundary;
+  truncated  the clip cut at a word boundary ~60% of the way in: incomplete, it should wait;
+  variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR.
+Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream with the real
+Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. Clips are split: the thresholds were
+tuned on the `tune` clips; the `check` clips say whether that generalises.
+
+Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
+to 600 ms and over all; dead air (speech end -> commit, p50/p95) on complete utterances; how long truncated
+utterances waited; per pause, how each signal (audio, text, fused) scored it. `python -m bench.turns`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
+from services.asr.engine import WhisperTranscriber
+from services.asr.stream import RecognitionStream
+from services.asr.vad import StreamingVad, load_session
+from voicemesh.audio import Clip, read_wav, resample
+from voicemesh.endpointing import EndpointingPolicy
+from voicemesh.loadstats import percentile
+from voicemesh.v1 import asr_pb2, audio_pb2
+from voicemesh.workers import WorkerPool
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIPS = ROOT.parent / "shared" / "audio"
+SPLIT = {"spk1_snt1": "tune", "wizard": "tune", "jfk": "tune", "spk2_snt1": "check", "horizon": "check"}
+SPLICE_MS = (200, 400, 600, 800)
+TRAILING_S = 2.5
+FRAME_MS = 20
+# name -> (endpointing, scored with the audio model too)
+POLICIES = {
+    "fixed_288": (EndpointingPolicy(fixed_hangover=True), False),
+    "text": (EndpointingPolicy(), False),
+    "audio_text": (EndpointingPolicy(), True),
+}
+
+
+@dataclass
+class Utterance:
+    name: str
+    clip: str
+    kind: str  # complete | spliced | truncated | quiet20 | quiet30 | rate48k | noise15
+    audio: np.ndarray  # float32 at rate_hz
+    rate_hz: int
+    speech_end_ms: float  # where the speaker actually stopped
+    pause_ms: int = 0  # the spliced pause's length (spliced only)
+
+
+@dataclass
+class Outcome:
+    utterance: str
+    clip: str
+    split: str
+    kind: str
+    pause_ms: int
+    finals: list[dict[str, object]] = field(default_factory=list)
+    pauses: list[dict[str, object]] = field(default_factory=list)
+
+    @property
+    def cut_off(self) -> bool:
+        return any(f["committed_ms"] < f["speech_end_ms"] for f in self.finals)  # type: ignore[operator]
+
+    @property
+    def dead_air_ms(self) -> float | None:
+        after = [f for f in self.finals if f["committed_ms"] >= f["speech_end_ms"]]  # type: ignore[operator]
+        return float(after[0]["committed_ms"]) - float(after[0]["speech_end_ms"]) if after else None  # type: ignore[arg-type]
+
+
+def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
+    """End of the last 10 ms block within 35 dB of the clip's loudest block (the clips are clean recordings)."""
+    block = rate_hz // 100
+    blocks = audio[: len(audio) // block * block].reshape(-1, block)
+    level = 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
+    loud = np.flatnonzero(level > level.max() - 35)
+    return float((loud[-1] + 1) * 10)
+
+
+def build_set(transcriber: WhisperTranscriber, clip_names: list[str]) -> list[Utterance]:
+    rng = np.random.default_rng(7)
+    utterances: list[Utterance] = []
+    for name in clip_names:
+        audio = read_wav(CLIPS / f"{name}.wav").to_rate(16000).samples
+        end_ms = speech_end_ms(audio, 16000)
+        words = transcriber.transcribe(audio[: int((end_ms / 1000 + 0.3) * 16000)], word_timestamps=True).words
+        noise_floor = float(np.sqrt(np.mean(audio[: int(0.05 * 16000)] ** 2)) + 1e-5)
+        utterances.append(Utterance(f"{name}", name, "complete", audio, 16000, end_ms))
+        # A pause spliced in at the middle word boundary (room tone at the clip's own floor, not digital zeros).
+        middle = len(words) // 2
+        boundary_s = (words[middle - 1].end_s + words[middle].start_s) / 2
+        cut = int(boundary_s * 16000)
+        for pause_ms in SPLICE_MS:
+            tone = (rng.standard_normal(pause_ms * 16) * noise_floor).astype(np.float32)
+            spliced = np.concatenate([audio[:cut], tone, audio[cut:]])
+            utterances.append(
+                Utterance(f"{name}+{pause_ms}ms", name, "spliced", spliced, 16000, end_ms + pause_ms, pause_ms)
+            )
+        # Cut at a word boundary ~60% in: the speaker stops mid-sentence.
+        stop = words[max(1, int(len(words) * 0.6)) - 1]
+        truncated = audio[: int((stop.end_s + 0.03) * 16000)]
+        utterances.append(
+            Utterance(f"{name}/cut", name, "truncated", truncated, 16000, speech_end_ms(truncated, 16000))
+        )
+        for db in (20, 30):
+            quiet = (audio * 10 ** (-db / 20)).astype(np.float32)
+            utterances.append(Utterance(f"{name}-{db}dB", name, f"quiet{db}", quiet, 16000, end_ms))
+        utterances.append(Utterance(f"{name}@48k", name, "rate48k", resample(audio, 16000, 48000), 48000, end_ms))
+        speech_rms = float(np.sqrt(np.mean(audio[: int(end_ms * 16)] ** 2)))
+        noisy = audio + (rng.standard_normal(len(audio)) * speech_rms * 10 ** (-15 / 20)).astype(np.float32)
+        utterances.append(Utterance(f"{name}+noise", name, "noise15", noisy.astype(np.float32), 16000, end_ms))
+    return utterances
+
+
+class RecordingScorer(TurnScorer):
+    """The real scorer, also keeping each signal apart so the bench can say how each one did."""
+
+    def __init__(self, audio_model: SmartTurn | None) -> None:
+        super().__init__(audio_model)
+        self.records: list[dict[str, object]] = []
+
+    def fuse(self, audio_score: float | None, text: str) -> float | None:
+        fused = super().fuse(audio_score, text)
+        self.records.append({"audio": audio_score, "text": text_completeness(text), "fused": fused, "transcript": text})
+        return fused
+
+
+async def run_one(
+    utterance: Utterance,
+    policy: EndpointingPolicy,
+    vad_session: object,
+    transcriber: WhisperTranscriber,
+    pool: WorkerPool,
+    scorer: RecordingScorer,
+) -> Outcome:
+    events: list[asr_pb2.RecognizeEvent] = []
+    config = asr_pb2.RecognitionConfig(session_id="bench", sample_rate_hz=utterance.rate_hz, skip_word_timings=True)
+    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, events.append, scorer)  # type: ignore[arg-type]
+    audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
+    frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
+    scorer.records.clear()
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    for seq, data in enumerate(frames):  # real time: the scorer's and decoder's latency count as they would live
+        await asyncio.sleep(max(0.0, start + seq * FRAME_MS / 1000 - loop.time()))
+        stream.push_frame(audio_pb2.AudioFrame(data=data, seq=seq, sample_rate_hz=utterance.rate_hz))
+    await stream.drain()
+    outcome = Outcome(
+        utterance.name, utterance.clip, SPLIT.get(utterance.clip, "check"), utterance.kind, utterance.pause_ms
+    )
+    for event in events:
+        if event.WhichOneof("event") == "final" and event.final.text.strip():
+            outcome.finals.append(
+                {
+                    "text": event.final.text,
+                    "committed_ms": event.audio_received_ms,
+                    "speech_end_ms": utterance.speech_end_ms,
+                    "completeness": round(event.final.completeness, 3),
+                    "hangover_ms": event.final.hangover_ms,
+                    "score_ms": round(event.final.score_ms, 1),
+                }
+            )
+    outcome.pauses = [dict(r) for r in scorer.records]
+    return outcome
+
+
+def summarize(outcomes: list[Outcome]) -> dict[str, object]:
+    def rate(rows: list[Outcome]) -> dict[str, object]:
+        cut = sum(o.cut_off for o in rows)
+        return {"cut_off": cut, "of": len(rows), "rate": round(cut / len(rows), 3) if rows else None}
+
+    def air(rows: list[Outcome]) -> dict[str, object]:
+        values = [a for o in rows if (a := o.dead_air_ms) is not None]
+        if not values:
+            return {"n": 0}
+        return {
+            "n": len(values),
+            "p50_ms": round(percentile(values, 50), 1),
+            "p95_ms": round(percentile(values, 95), 1),
+            "max_ms": round(max(values), 1),
+        }
+
+    whole = [o for o in outcomes if o.kind != "truncated"]
+    up_to_600 = [o for o in whole if o.kind != "spliced" or o.pause_ms <= 600]
+    complete = [o for o in whole if o.kind != "spliced"]
+    truncated = [o for o in outcomes if o.kind == "truncated"]
+    summary: dict[str, object] = {
+        "false_cutoffs_pauses_up_to_600ms": rate(up_to_600),
+        "false_cutoffs_all": rate(whole),
+        "dead_air_complete": air(complete),
+        "dead_air_complete_no_jfk": air([o for o in complete if o.clip != "jfk"]),
+        "truncated_wait_ms": [round(a, 1) if (a := o.dead_air_ms) is not None else None for o in truncated],
+        "missed": [o.utterance for o in whole if not o.finals],
+    }
+    for split in ("tune", "check"):
+        rows = [o for o in up_to_600 if o.split == split]
+        summary[f"{split}_false_cutoffs_up_to_600ms"] = rate(rows)
+        summary[f"{split}_dead_air_complete"] = air([o for o in rows if o.kind != "spliced"])
+    return summary
+
+
+def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
+    """Each signal at each pause that was scored: a pause at the speech end is 'complete', one inside is not."""
+    rows: dict[str, dict[str, list[float]]] = {
+        s: {"complete": [], "incomplete": []} for s in ("audio", "text", "fused")
+    }
+    for outcome in outcomes:
+        if outcome.kind == "truncated":
+            continue
+        for index, pause in enumerate(outcome.pauses):
+            final_pause = index == len(outcome.pauses) - 1 and not outcome.cut_off
+            label = "complete" if final_pause else "incomplete"
+            for signal in rows:
+                if (value := pause[signal]) is not None:
+                    rows[signal][label].append(float(value))  # type: ignore[arg-type]
+    report: dict[str, object] = {}
+    for signal, groups in rows.items():
+        complete, incomplete = groups["complete"], groups["incomplete"]
+        report[signal] = {
+            "complete_pauses": len(complete),
+            "incomplete_pauses": len(incomplete),
+            "complete_called_complete_at_0.5": sum(v >= 0.5 for v in complete),
+            "incomplete_called_incomplete_at_0.5": sum(v < 0.5 for v in incomplete),
+            "mean_complete": round(statistics.mean(complete), 3) if complete else None,
+            "mean_incomplete": round(statistics.mean(incomplete), 3) if incomplete else None,
+        }
+    return report
+
+
+async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | None) -> dict[str, object]:
+    transcriber = WhisperTranscriber(cpu_threads=2)
+    vad_session = load_session()
+    scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
+    pool = WorkerPool(1, "bench-asr")
+    utterances = [u for u in build_set(transcriber, clip_names) if kinds is None or u.kind in kinds]
+    results: dict[str, object] = {"utterances": len(utterances)}
+    per_policy: dict[str, list[Outcome]] = {p: [] for p in policies}
+    for utterance in utterances:  # policies interleaved per utterance: drift in machine load hits both alike
+        for name in policies:
+            policy, with_audio = POLICIES[name]
+            scorer = scorers[with_audio]
+            per_policy[name].append(await run_one(utterance, policy, vad_session, transcriber, pool, scorer))
+    for name, outcomes in per_policy.items():
+        results[name] = summarize(outcomes)
+        if POLICIES[name][1]:
+            results[f"signals_{name}"] = signal_quality(outcomes)
+    results["per_utterance"] = {
+        name: [
+            {
+                "utterance": o.utterance,
+                "split": o.split,
+                "cut_off": o.cut_off,
+                "dead_air_ms": None if o.dead_air_ms is None else round(o.dead_air_ms, 1),
+                "finals": o.finals,
+                "pauses": o.pauses,
+            }
+            for o in outcomes
+        ]
+        for name, outcomes in per_policy.items()
+    }
+    for scorer in scorers.values():
+        scorer.close()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--clips", default=",".join(SPLIT))
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
+    parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
+    args = parser.parse_args()
+    clips = [c for c in args.clips.split(",") if (CLIPS / f"{c}.wav").exists()]
+    if not clips:
+        json.dump({"skipped": f"no clips under {CLIPS}"}, sys.stdout)
+        return
+    kinds = set(args.kinds.split(",")) if args.kinds else None
+    result = asyncio.run(measure(clips, args.policies.split(","), kinds))
+    if not args.per_utterance:
+        result.pop("per_utterance")
+    json.dump(result, sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The ASR's pieces of end-of-turn: the transcript's completeness, the level normalizer, the repeated-tail fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.asr.completeness import Fusion, text_completeness
+from services.asr.engine import drop_repeated_tail
+from services.asr.stream import Loudness
+from voicemesh.endpointing import EndpointingPolicy
+
+
+@pytest.mark.parametrize(
+    ("text", "complete"),
+    [
+        ("The horizon seems extremely distant.", True),
+        ("Is it raining?", True),
+        ("We are sure that what...", False),
+        ("The child almost hurt the", False),
+        ("He began a confused complaint against the wizard,", False),
+        ("I went to the shop and", False),
+    ],
+)
+def test_the_transcript_ending_reads_as_complete_or_not(text: str, complete: bool) -> None:
+    score = text_completeness(text)
+    assert score is not None and (score >= 0.5) is complete
+
+
+def test_no_words_means_no_text_score_and_the_other_signal_decides() -> None:
+    assert text_completeness("") is None and text_completeness("...") is None
+    fusion = Fusion(audio_weight=0.5)
+    assert fusion.score(0.9, None) == 0.9
+    assert fusion.score(None, 0.2) == 0.2
+    assert fusion.score(None, None) is None
+    assert fusion.score(1.0, 0.0) == pytest.approx(0.5)
+
+
+def test_the_hangover_grows_as_the_score_falls() -> None:
+    policy = EndpointingPolicy()
+    waits = [policy.hangover_for(score) for score in (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)]
+    assert waits == sorted(waits)
+    assert waits[0] == policy.min_hangover_ms and waits[-1] == policy.max_hangover_ms
+    assert policy.hangover_for(None) == policy.hangover_ms
+    assert EndpointingPolicy(fixed_hangover=True).hangover_for(1.0) == policy.hangover_ms
+
+
+def test_a_quiet_speaker_reaches_the_vad_at_a_normal_level_and_silence_stays_quiet() -> None:
+    loudness = Loudness()
+    speech = (0.003 * np.sin(np.arange(512) * 0.2)).astype(np.float32)  # about -53 dBFS: a distant laptop mic
+    for _ in range(20):
+        assert not loudness.quiet(speech)
+        boosted = loudness.normalize(speech)
+    level = 10 * np.log10(np.mean(boosted.astype(np.float64) ** 2))
+    assert -30 < level < -15
+    assert loudness.quiet(np.zeros(512, np.float32))
+
+
+def test_a_loud_speaker_is_left_alone() -> None:
+    loudness = Loudness()
+    speech = (0.3 * np.sin(np.arange(512) * 0.2)).astype(np.float32)
+    loudness.quiet(speech)
+    assert loudness.normalize(speech) is speech
+
+
+def test_whisper_repeating_the_end_of_the_utterance_is_undone() -> None:
+    words = "Remember to lock the door before you go out before you go".split()
+    assert " ".join(drop_repeated_tail(words)) == "Remember to lock the door before you go out"
+    assert drop_repeated_tail("that is that is".split()) == ["that", "is"]
+    kept = "ask not what your country can do for you, ask what you can do for your country.".split()
+    assert drop_repeated_tail(kept) == kept
+    assert drop_repeated_tail("I said no no".split()) == "I said no no".split()  # one word twice is speech
