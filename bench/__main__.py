@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import pipeline, routing, services
+from bench import pipeline, routing, services, turns
 from voicemesh import loadtest
 
 
@@ -20,6 +20,9 @@ def main() -> None:
         "services": services.run(),
     }
     results["pipeline_v2v"] = pipeline.run()
+    end_of_turn = turns.run()
+    end_of_turn.pop("per_utterance", None)
+    results["end_of_turn"] = end_of_turn
     results["llm_routing"] = routing.run()
     audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
     if audio.exists():

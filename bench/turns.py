@@ -40,12 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
 SPLIT = {"spk1_snt1": "tune", "wizard": "tune", "jfk": "tune", "spk2_snt1": "check", "horizon": "check"}
 SPLICE_MS = (200, 400, 600, 800)
+LONG_PAUSE_CLIPS = {"jfk"}  # natural pauses of ~1.1 s inside the sentence
 TRAILING_S = 2.5
 FRAME_MS = 20
 # name -> (endpointing, scored with the audio model too)
 POLICIES = {
     "fixed_288": (EndpointingPolicy(fixed_hangover=True), False),
-    "text": (EndpointingPolicy(), False),
     "audio_text": (EndpointingPolicy(), True),
 }
 
@@ -194,14 +194,21 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
         }
 
     whole = [o for o in outcomes if o.kind != "truncated"]
-    up_to_600 = [o for o in whole if o.kind != "spliced" or o.pause_ms <= 600]
+    # jfk.wav pauses 1.1 s twice on its own: it belongs with the long pauses, not with "up to 600 ms".
+    up_to_600 = [o for o in whole if o.clip not in LONG_PAUSE_CLIPS and (o.kind != "spliced" or o.pause_ms <= 600)]
     complete = [o for o in whole if o.kind != "spliced"]
     truncated = [o for o in outcomes if o.kind == "truncated"]
     summary: dict[str, object] = {
         "false_cutoffs_pauses_up_to_600ms": rate(up_to_600),
         "false_cutoffs_all": rate(whole),
         "dead_air_complete": air(complete),
-        "dead_air_complete_no_jfk": air([o for o in complete if o.clip != "jfk"]),
+        "false_cutoffs_long_natural_pauses": rate([o for o in whole if o.clip in LONG_PAUSE_CLIPS]),
+        "false_cutoffs_by_pause_ms": {
+            str(ms): rate(
+                [o for o in whole if o.kind == "spliced" and o.pause_ms == ms and o.clip not in LONG_PAUSE_CLIPS]
+            )
+            for ms in SPLICE_MS
+        },
         "truncated_wait_ms": [round(a, 1) if (a := o.dead_air_ms) is not None else None for o in truncated],
         "missed": [o.utterance for o in whole if not o.finals],
     }
@@ -276,6 +283,15 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
     return results
 
 
+def run(
+    clips: list[str] | None = None, policies: list[str] | None = None, kinds: set[str] | None = None
+) -> dict[str, object]:
+    names = [c for c in (clips or list(SPLIT)) if (CLIPS / f"{c}.wav").exists()]
+    if not names:
+        return {"skipped": f"no clips under {CLIPS}"}
+    return asyncio.run(measure(names, policies or list(POLICIES), kinds))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clips", default=",".join(SPLIT))
@@ -283,14 +299,10 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
     args = parser.parse_args()
-    clips = [c for c in args.clips.split(",") if (CLIPS / f"{c}.wav").exists()]
-    if not clips:
-        json.dump({"skipped": f"no clips under {CLIPS}"}, sys.stdout)
-        return
     kinds = set(args.kinds.split(",")) if args.kinds else None
-    result = asyncio.run(measure(clips, args.policies.split(","), kinds))
+    result = run(args.clips.split(","), args.policies.split(","), kinds)
     if not args.per_utterance:
-        result.pop("per_utterance")
+        result.pop("per_utterance", None)
     json.dump(result, sys.stdout, indent=2)
     print()
 

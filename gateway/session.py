@@ -268,7 +268,11 @@ class Session:
                     if reply is not None:
                         self._discard(reply)
                 case turn.CommitReply(reply_id, user_text):
-                    self._commit(self._replies[reply_id], user_text)
+                    reply = self._replies.get(reply_id)
+                    if reply is None:  # its stage failed in the meantime: the turn is over before it began
+                        self._apply(self.turns.on_reply_failed(reply_id))
+                    else:
+                        self._commit(reply, user_text)
                 case turn.PausePlayout():
                     self._paused = True
                     log.info("playout paused: speech over the reply", extra={"session_id": self.options.session_id})

@@ -145,7 +145,7 @@ def test_policy_ranges_are_checked_in_one_place() -> None:
     assert policy_from(to_proto(FIXED)) == FIXED
     with pytest.raises(RequestError, match="min_hangover_ms <= hangover_ms"):
         policy_from(asr_pb2.EndpointingConfig(hangover_ms=2000))
-    with pytest.raises(RequestError, match="vad_threshold=1.5 out of range"):
+    with pytest.raises(RequestError, match=r"vad_threshold=1\.5 out of range"):
         policy_from(asr_pb2.EndpointingConfig(vad_threshold=1.5))
     with pytest.raises(RequestError, match="hangover_ms=20000 out of range"):
         policy_from(asr_pb2.EndpointingConfig(hangover_ms=20000, fixed_hangover=True))

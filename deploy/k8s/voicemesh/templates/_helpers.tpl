@@ -151,6 +151,11 @@ true
   value: {{ $c.cpuThreads | quote }}
 - name: {{ $prefix }}WORKERS
   value: {{ $c.workers | quote }}
+{{- if not (has $c.turnModel (list "smart-turn" "text")) }}
+{{- fail (printf "asr.turnModel must be smart-turn or text, not %q" $c.turnModel) }}
+{{- end }}
+- name: {{ $prefix }}TURN_MODEL
+  value: {{ $c.turnModel | quote }}
 {{- if $modelPath }}
 - name: {{ $prefix }}MODEL_DIR
   value: {{ printf "%s/%s" $mount $modelPath | quote }}
