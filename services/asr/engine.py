@@ -111,7 +111,9 @@ class WhisperTranscriber:
             words = words[: len(clean_tail(drop_repeated_tail(collapse_repetition([w.text for w in words]))))]
             text = " ".join(w.text for w in words)
         else:
-            text = " ".join(clean_tail(drop_repeated_tail(collapse_repetition(" ".join(s.text for s in segments).split()))))
+            text = " ".join(
+                clean_tail(drop_repeated_tail(collapse_repetition(" ".join(s.text for s in segments).split())))
+            )
         return Transcript(
             text=text, words=words, compute_ms=(time.monotonic_ns() - started) / 1e6, done_us=time.time_ns() // 1000
         )
