@@ -114,7 +114,7 @@ def test_a_pause_scored_incomplete_waits_the_long_hangover() -> None:
 
 
 def test_an_unsure_score_waits_in_between() -> None:
-    waited = commit_after_ms({12: 0.5})
+    waited = commit_after_ms({12: 0.62})
     assert waited is not None and SEMANTIC.min_hangover_ms < waited < SEMANTIC.max_hangover_ms
 
 
