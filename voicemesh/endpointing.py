@@ -24,8 +24,12 @@ class EndpointingPolicy:
     kept the tuning clips' in-sentence pauses whole."""
     min_speech_ms: int = 96
     """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
-    min_hangover_ms: int = 64
-    """The wait after a pause scored complete: the floor of voice-to-voice latency."""
+    min_hangover_ms: int = 288
+    """The wait after a pause scored complete. Not shorter than the fixed hangover by default: both signals call
+    clause boundaries of read speech complete ("The child almost hurt | the small dog": Smart Turn 0.74, and a
+    full stop from Whisper), so a shorter wait split spk1_snt1 at its natural 230 ms pause, and on this 2-core
+    machine the score itself takes 150-200 ms, so going under 288 ms won a median of only 25 ms of dead air
+    (`python -m bench.turns`). Lower it per session where speakers do not pause mid-sentence."""
     max_hangover_ms: int = 1200
     """The wait after a pause scored incomplete: mid-sentence pauses of real speakers run to 600-800 ms."""
     fixed_hangover: bool = False

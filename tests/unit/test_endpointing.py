@@ -95,7 +95,7 @@ def test_the_pause_clock_stops_while_speech_may_be_resuming() -> None:
 
 
 # ---- the completeness score picks the hangover ------------------------------------------------------------
-SEMANTIC = EndpointingPolicy()  # defaults: candidate 32, short 64, fixed 288, long 1200
+SEMANTIC = EndpointingPolicy(min_hangover_ms=64)  # candidate 32, short 64, fixed 288, long 1200
 
 
 def commit_after_ms(scores: dict[int, float] | None, silence_windows: int = 60) -> int | None:
@@ -116,6 +116,14 @@ def test_a_pause_scored_incomplete_waits_the_long_hangover() -> None:
 def test_an_unsure_score_waits_in_between() -> None:
     waited = commit_after_ms({12: 0.62})
     assert waited is not None and SEMANTIC.min_hangover_ms < waited < SEMANTIC.max_hangover_ms
+
+
+def test_by_default_a_complete_pause_waits_the_fixed_hangover_and_an_incomplete_one_longer() -> None:
+    default = EndpointingPolicy()
+    events = run([0.9] * 10 + [0.0] * 60, default, {12: 0.95})
+    assert [at for at, e in events if e is Event.END_OF_TURN] == [10 * 32 + 288]
+    events = run([0.9] * 10 + [0.0] * 60, default, {12: 0.05})
+    assert [at for at, e in events if e is Event.END_OF_TURN] == [10 * 32 + 1216]
 
 
 def test_a_score_that_never_comes_leaves_the_fixed_hangover() -> None:
