@@ -53,7 +53,7 @@ async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_comple
     turn = heard_turns(state)[0]
     assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
     history = web_gateway.servicer.histories.get(state["sessionId"])
-    assert history and history[0] == ("user", turn["user_text"])
+    assert history and (history[0].role, history[0].text) == ("user", turn["user_text"])
 
 
 async def test_a_conversation_that_loses_webrtc_goes_on_over_websocket_with_its_history(
@@ -72,7 +72,7 @@ async def test_a_conversation_that_loses_webrtc_goes_on_over_websocket_with_its_
     assert len(started) == 2 and started[1]["session_id"] == started[0]["session_id"] == state["sessionId"]
     assert started[1]["history_turns"] >= 1, "the WebSocket session continued the WebRTC one's history"
     history = web_gateway.servicer.histories.get(state["sessionId"])
-    assert [role for role, _ in history][:4] == ["user", "assistant", "user", "assistant"]
+    assert [entry.role for entry in history][:4] == ["user", "assistant", "user", "assistant"]
 
 
 @pytest.mark.parametrize("transport", ["webrtc", "websocket"])

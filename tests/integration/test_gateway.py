@@ -128,16 +128,26 @@ async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -
         system_prompt="A talkative assistant who always answers with three long sentences.",
         options=conversation_pb2.PipelineOptions(max_tokens=120),
     )
-    # "Yeah" ~1.5 s after the question ended: well inside a reply of three long sentences.
+    # "Yeah" 1.2 s after the question ended (spk1_snt1 ends with its last word): inside the reply.
+    inject_after_s = 1.2
     turns, _, events = await talk(
-        target(gateway), question, config, trailing_silence_s=9.0, inject=[(question.duration_s + 1.5, yeah)]
+        target(gateway),
+        question,
+        config,
+        trailing_silence_s=9.0,
+        inject=[(question.duration_s + inject_after_s, yeah)],
     )
     assert not any(isinstance(e, Interrupted) for e in events), "a backchannel does not stop the reply"
     assert len(turns) == 1, [t.user_text for t in turns]  # and it is not a turn of its own
+    turn = turns[0]
     done = [e for e in events if type(e).__name__ == "ReplyDone"]
-    assert done and done[0].turn_index == turns[0].turn_index, "the reply played to its end"
-    reply_audio_s = sum(len(e.pcm16) for e in events if isinstance(e, ReplyAudio)) / 2 / 16000
-    assert reply_audio_s > 2.5, f"only {reply_audio_s:.1f} s of reply: it stopped at the backchannel"
+    assert done and done[0].turn_index == turn.turn_index, "the reply played to its end"
+    first_s = (turn.first_audio_received_us - turn.speech_end_sent_us) / 1e6
+    last_s = (max(e.received_us for e in events if isinstance(e, ReplyAudio)) - turn.speech_end_sent_us) / 1e6
+    assert first_s < inject_after_s, "the reply was playing when the user said yeah"
+    assert last_s > inject_after_s + yeah.duration_s + 0.3, f"the reply stopped {last_s:.1f} s after the question"
+    history = gateway.servicer.histories.get(next(e.session_id for e in events if type(e).__name__ == "Started"))
+    assert [entry.role for entry in history] == ["user", "assistant"] and not history[1].interrupted
 
 
 async def test_a_pause_mid_sentence_never_speaks_the_speculative_reply(gateway) -> None:

@@ -163,8 +163,8 @@ async def test_the_same_session_id_continues_the_history_and_retires_the_old_con
     assert started["session_id"] == session_id and started["history_turns"] == 1
     assert first.close_code == 4409 and "newer connection" in first.close_reason
     history = web_gateway.servicer.histories.get(session_id)
-    assert [role for role, _ in history] == ["user", "assistant", "user", "assistant"]
-    assert "horizon" in history[2][1].lower()
+    assert [entry.role for entry in history] == ["user", "assistant", "user", "assistant"]
+    assert "horizon" in history[2].text.lower()
 
 
 class ClipTrack(MediaStreamTrack):
