@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
+from services.asr.completeness import TurnScorer
 from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import Transcript
 from services.asr.stream import RecognitionStream
@@ -71,3 +73,63 @@ async def test_baseline_final_pass_starts_only_at_the_end_of_the_turn() -> None:
     assert calls[0] == candidate_window
     assert calls[-1] == commit_window
     assert kinds.count("final") == 1
+
+
+class FailingScorer(TurnScorer):
+    """A completeness scorer whose audio model raises, as a broken or missing model file would."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.calls = 0
+
+    async def audio_score(self, audio: np.ndarray) -> float | None:
+        self.calls += 1
+        raise RuntimeError("model exploded")
+
+
+class SlowScorer(TurnScorer):
+    """A scorer that answers "incomplete" long after the fixed hangover."""
+
+    async def audio_score(self, audio: np.ndarray) -> float | None:
+        await asyncio.sleep(1.0)
+        return 0.0
+
+
+async def _scored_run(scorer: TurnScorer) -> list[asr_pb2.RecognizeEvent]:
+    vad = FakeVad()
+    events: list[asr_pb2.RecognizeEvent] = []
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
+    policy = EndpointingPolicy(min_hangover_ms=64, hangover_ms=256)
+    stream = RecognitionStream(
+        config,
+        policy,
+        vad,
+        FakeTranscriber(vad),
+        WorkerPool(1, "test-asr"),
+        events.append,
+        scorer,  # type: ignore[arg-type]
+    )
+    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
+        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(0.01)
+    await stream.drain()
+    scorer.close()
+    return events
+
+
+@pytest.mark.parametrize("scorer", [FailingScorer(), SlowScorer(None)], ids=["failing", "slow"])
+async def test_a_scorer_that_fails_or_is_slow_never_holds_the_turn_open(scorer: TurnScorer) -> None:
+    events = await _scored_run(scorer)
+    finals = [e.final for e in events if e.WhichOneof("event") == "final"]
+    assert len(finals) == 1 and finals[0].text == "hello there."
+    assert finals[0].completeness == -1 and finals[0].hangover_ms == 256  # the fixed hangover applied
+
+
+async def test_a_complete_score_commits_after_the_short_hangover() -> None:
+    events = await _scored_run(TurnScorer(None))  # text only: "hello there." ends a sentence
+    final = next(e for e in events if e.WhichOneof("event") == "final")
+    assert final.final.completeness == pytest.approx(0.8) and final.final.hangover_ms == 64
+    assert final.speech_end_ms == SPEECH_WINDOWS * 32
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds.index("speech_stopped") < kinds.index("final")
