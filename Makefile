@@ -23,7 +23,7 @@ LLAMA_CMAKE_ARGS := -DGGML_NATIVE=ON "-DCMAKE_C_FLAGS=$(NO_AMX)" "-DCMAKE_CXX_FL
 # The ASR's end-of-turn model (Smart Turn v3.2, BSD-2-Clause) ships inside the pipecat-ai wheel, whose own
 # dependencies (protobuf<7 among them) clash with ours: the wheel goes in without them; nothing imports pipecat.
 SMART_TURN_WHEEL := pipecat-ai==1.14.0
-$(INSTALLED): pyproject.toml | $(PY)
+$(INSTALLED): pyproject.toml Makefile | $(PY)
 	CMAKE_ARGS='$(LLAMA_CMAKE_ARGS)' $(PY) -m pip install --quiet -e '.[local,dev]'
 	$(PY) -m pip install --quiet --no-deps '$(SMART_TURN_WHEEL)'
 	touch $@
