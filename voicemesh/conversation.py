@@ -200,8 +200,10 @@ class ConversationClient:
         return SessionError(turn, error.stage, error.code, error.message, error.recoverable)
 
 
-def speech_frames(frames: list[bytes], floor_dbfs: float = -45.0, below_peak_db: float = 35.0) -> list[bool]:
-    """Which 20 ms frames hold speech, by energy: the client's own view of where speech ends."""
+def speech_frames(frames: list[bytes], floor_dbfs: float = -75.0, below_peak_db: float = 35.0) -> list[bool]:
+    """Which 20 ms frames hold speech, by energy relative to the clip's loudest frame: the client's own view of
+    where speech ends. The absolute floor only keeps near-digital silence out, so a quiet speaker (a distant
+    microphone, speech around -50 dBFS) still has an end of speech to measure V2V from."""
     rms = np.array([np.sqrt(np.mean((np.frombuffer(f, "<i2") / 32768.0) ** 2)) + 1e-12 for f in frames])
     level = 20 * np.log10(rms)
     threshold = max(floor_dbfs, level.max() - below_peak_db) if len(level) else floor_dbfs
