@@ -47,7 +47,10 @@ MODES = {
         endpointing=NAIVE_ENDPOINTING,
     ),
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
+    # (c) with the old fixed 288 ms hangover instead of the completeness-scored one (not in the default run).
+    "c_fixed_hangover": conversation_pb2.PipelineOptions(endpointing=asr_pb2.EndpointingConfig(fixed_hangover=True)),
 }
+DEFAULT_MODES = ("a_naive", "b_sentence", "c_all_on")
 
 
 async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> dict[str, object] | None:
@@ -105,7 +108,7 @@ async def measure(target: str, modes: list[str], clips: list[str], rounds: int) 
 def run(
     modes: list[str] | None = None, clips: list[str] | None = None, rounds: int = 3, target: str = ""
 ) -> dict[str, object]:
-    modes = modes or list(MODES)
+    modes = modes or list(DEFAULT_MODES)
     clips = [c for c in (clips or DEFAULT_CLIPS) if (CLIPS / f"{c}.wav").exists()]
     if not clips:
         return {"skipped": f"no clips under {CLIPS}"}
@@ -117,7 +120,7 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {','.join(MODES)}")
     parser.add_argument("--clips", default=",".join(DEFAULT_CLIPS))
     parser.add_argument("--rounds", type=int, default=3, help="each clip is spoken this many times per mode")
     parser.add_argument("--target", default="", help="an already running gateway instead of a fresh mesh")

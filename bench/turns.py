@@ -46,6 +46,7 @@ FRAME_MS = 20
 # name -> (endpointing, scored with the audio model too)
 POLICIES = {
     "fixed_288": (EndpointingPolicy(fixed_hangover=True), False),
+    "text": (EndpointingPolicy(), False),
     "audio_text": (EndpointingPolicy(), True),
 }
 

@@ -43,9 +43,10 @@ class AsrSettings(config.ServerSettings):
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "decodes run at once; streams beyond that queue (finals before partials)")
     turn_model: str = config.setting(
-        "smart-turn",
-        "end-of-turn score at each pause: smart-turn (Smart Turn v3.2 audio model fused with the transcript) or "
-        "text (the transcript's ending only)",
+        "text",
+        "end-of-turn score at each pause: text (the draft transcript's ending; no extra CPU) or smart-turn (the "
+        "Smart Turn v3.2 audio model fused 1:3 with the text; ~140 ms of a core per pause, so give the pod a core "
+        "more). On 2 cores smart-turn cost ~200 ms of V2V for 1 fewer cut-off in 32 (python -m bench.turns)",
     )
     turn_model_threads: int = config.setting(
         1, "onnxruntime threads of the end-of-turn model; 1 leaves the other core to Whisper's decode"
