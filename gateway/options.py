@@ -97,11 +97,14 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
         )
     barge_ms = given.barge_in_min_speech_ms or default.barge_in_min_speech_ms
     if not 50 <= barge_ms <= 3000:
-        raise out_of_range(f"options.barge_in_min_speech_ms={barge_ms} out of range; send 50-3000 (or 0 for 500)")
+        raise out_of_range(
+            f"options.barge_in_min_speech_ms={barge_ms} out of range; send 50-3000 (or 0 for {default.barge_in_min_speech_ms})"
+        )
     false_ms = given.false_interruption_timeout_ms or default.false_interruption_timeout_ms
     if not 100 <= false_ms <= 5000:
         raise out_of_range(
-            f"options.false_interruption_timeout_ms={false_ms} out of range; send 100-5000 (or 0 for 1000)"
+            f"options.false_interruption_timeout_ms={false_ms} out of range; send 100-5000 "
+            f"(or 0 for {default.false_interruption_timeout_ms})"
         )
     if len(given.backchannels) > 64 or any(not 0 < len(b) <= 32 for b in given.backchannels):
         raise out_of_range("options.backchannels: send at most 64 phrases of 1-32 characters each")
