@@ -123,7 +123,6 @@ class Session:
         self._replies: dict[int, Reply] = {}
         self._current: Reply | None = None
         self._discarded = 0
-        self._paused = False
         self._tick_handle: asyncio.TimerHandle | None = None
         self._last_event: asr_pb2.RecognizeEvent | None = None  # the ASR event being handled
         self._audio_ready = asyncio.Event()
@@ -274,15 +273,12 @@ class Session:
                     else:
                         self._commit(reply, user_text)
                 case turn.PausePlayout():
-                    self._paused = True
                     log.info("playout paused: speech over the reply", extra={"session_id": self.options.session_id})
                 case turn.ResumePlayout(_, reason):
-                    self._paused = False
                     telemetry.OVERLAPS.labels(reason).inc()
                     log.info("playout resumed", extra={"session_id": self.options.session_id, "reason": reason})
                     self._audio_ready.set()
                 case turn.Interrupt(reply_id):
-                    self._paused = False
                     if self._current is not None and self._current.utterance_id == reply_id:
                         self._interrupt(self._current)
                 case turn.EndTurn(reply_id):
@@ -352,7 +348,6 @@ class Session:
         self._turn += 1
         self.history.append(HistoryEntry("user", user_text))
         self._current = reply
-        self._paused = False
         self._idle.clear()
         if reply.text:
             self._emit(reply_text=conversation_pb2.ReplyText(text_delta="".join(reply.text)), turn=reply.turn_index)
@@ -478,7 +473,6 @@ class Session:
         while len(self._recent) > 4:
             self._recent.pop(min(self._recent))
         self._current = None
-        self._paused = False
         self._idle.set()
 
     # ---- TTS -----------------------------------------------------------------------------------------------
@@ -547,21 +541,21 @@ class Session:
             await self._audio_ready.wait()
             self._audio_ready.clear()
             reply = self._current
-            if reply is None or not reply.committed or reply.cancelled or self._paused:
+            if reply is None or not reply.committed or reply.cancelled or self.turns.paused:
                 continue
             if self.pipeline.buffer_whole_reply and not reply.tts_done:
                 continue
             lead_from = time.monotonic() - LEAD_FRAMES * FRAME_S
             next_due = max(next_due, lead_from)
-            while reply is self._current and reply.frames and not reply.cancelled and not self._paused:
+            while reply is self._current and reply.frames and not reply.cancelled and not self.turns.paused:
                 due = max(next_due, time.monotonic() - LEAD_FRAMES * FRAME_S)
                 if due > (now := time.monotonic()):
                     await asyncio.sleep(due - now)
-                    if reply is not self._current or reply.cancelled or self._paused:
+                    if reply is not self._current or reply.cancelled or self.turns.paused:
                         break  # barge-in or pause while waiting: stop within one frame
                 next_due = due + FRAME_S
                 self._send_audio(reply, reply.frames.popleft())
-            if self._paused:
+            if self.turns.paused:
                 next_due = 0.0  # the listener's buffer runs dry during the pause: lead again on resume
             elif (
                 reply is self._current

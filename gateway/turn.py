@@ -250,6 +250,7 @@ class TurnController:
 
     @property
     def paused(self) -> bool:
+        """The current reply's playout is paused (speech over it whose words are not known yet)."""
         return self._overlap is not None and self._overlap.paused_ms is not None
 
     # ---- internals -----------------------------------------------------------------------------------------

@@ -47,10 +47,6 @@ class Endpointer:
         """The silence that commits the open pause, as far as is known now."""
         return self.policy.hangover_for(self.completeness)
 
-    @property
-    def silence_ms(self) -> int:
-        return self._silence_ms
-
     def push(self, probability: float, quiet: bool = False) -> list[Event]:
         """Advance one window; returns the events it caused.
 
