@@ -29,7 +29,8 @@ $(INSTALLED): pyproject.toml Makefile | $(PY)
 	touch $@
 
 $(STUBS): $(PROTOS) $(INSTALLED)
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+		--plugin=protoc-gen-mypy_grpc=$(VENV)/bin/protoc-gen-mypy_grpc --mypy_grpc_out=. $(PROTOS)
 	touch $@
 
 protos: $(INSTALLED)
@@ -71,9 +72,11 @@ unit: setup
 bench: setup
 	$(PY) -m bench
 
+# Ruff, then mypy --strict on voicemesh/, gateway/ and services/ (settings in pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

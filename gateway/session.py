@@ -23,7 +23,7 @@ from opentelemetry.trace import Span
 from gateway import turn
 from gateway.backends import Backends
 from gateway.options import SessionOptions
-from voicemesh import telemetry
+from voicemesh import stages, telemetry
 from voicemesh.clients import epoch_us
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2, tts_pb2
@@ -71,11 +71,7 @@ class Reply:
     frames_sent: int = 0
     # Metrics
     turn_index: int = 0
-    llm_queue_ms: float = 0.0
-    llm_ttft_ms: float = 0.0
-    replica: str = ""
     usage: llm_pb2.Usage = field(default_factory=llm_pb2.Usage)
-    tts_timing: audio_pb2.StageTiming | None = None
     first_frame_received_us: int = 0
     first_sent_us: int = 0
     metrics: conversation_pb2.TurnMetrics = field(default_factory=conversation_pb2.TurnMetrics)
@@ -334,7 +330,7 @@ class Session:
         metrics.speech_end_capture_us = capture_us
         metrics.upload_ms = (receipt_us - capture_us) / 1000
         metrics.endpoint_ms = (committed_us - receipt_us) / 1000
-        metrics.asr.CopyFrom(event.timing)
+        metrics.asr_queue_ms, metrics.asr_compute_ms = event.timing.queue_ms, event.timing.compute_ms
         reply.committed_us, reply.receipt_us = committed_us, receipt_us
         if reply.speculative:
             telemetry.SPECULATIVE.labels("used").inc()
@@ -378,11 +374,9 @@ class Session:
                 if first:
                     first = False
                     reply.mark("llm_first_delta")
-                    reply.llm_queue_ms, reply.llm_ttft_ms, reply.replica = (
-                        response.queue_ms,
-                        response.ttft_ms,
-                        response.replica,
-                    )
+                    reply.metrics.llm_queue_ms = response.queue_ms
+                    reply.metrics.llm_first_token_ms = response.ttft_ms
+                    reply.metrics.llm_replica = response.replica
                 if response.text_delta:
                     reply.text.append(response.text_delta)
                     if len(reply.text) <= 4:
@@ -523,7 +517,8 @@ class Session:
             if not reply.first_frame_received_us:
                 reply.mark("tts_first_frame")
                 reply.first_frame_received_us = epoch_us()
-                reply.tts_timing = event.audio.timing
+                reply.metrics.tts_queue_ms = event.audio.timing.queue_ms
+                reply.metrics.tts_first_audio_ms = event.audio.timing.compute_ms
             reply.frames.append(event.audio)
             self._audio_ready.set()
         elif kind == "done":
@@ -589,11 +584,6 @@ class Session:
 
     def _emit_metrics(self, reply: Reply) -> None:
         metrics = reply.metrics
-        metrics.llm.queue_ms = reply.llm_queue_ms
-        metrics.llm.compute_ms = reply.llm_ttft_ms
-        if reply.tts_timing is not None:
-            metrics.tts.CopyFrom(reply.tts_timing)
-        metrics.llm_replica = reply.replica
         metrics.prompt_tokens = reply.usage.prompt_tokens
         metrics.cached_prompt_tokens = reply.usage.cached_prompt_tokens
         metrics.completion_tokens = reply.usage.completion_tokens
@@ -601,7 +591,7 @@ class Session:
         if reply.first_sent_us:
             metrics.first_audio_sent_us = reply.first_sent_us
             metrics.v2v_ms = (reply.first_sent_us - metrics.speech_end_capture_us) / 1000
-            metrics.gateway_ms = (reply.first_sent_us - reply.first_frame_received_us) / 1000
+            metrics.gateway_hold_ms = (reply.first_sent_us - reply.first_frame_received_us) / 1000
         self._emit(metrics=metrics, turn=reply.turn_index)
         self._record_turn(reply)
         origin = metrics.speech_end_capture_us
@@ -619,17 +609,7 @@ class Session:
         """Stage histograms, and the turn's spans for what the gateway measured itself (the ASR stream spans
         many turns, so its decode is recorded here from the times the ASR service reported)."""
         metrics = reply.metrics
-        stages_ms = {
-            "upload": metrics.upload_ms,
-            "endpoint": metrics.endpoint_ms,
-            "asr_queue": metrics.asr.queue_ms,
-            "asr_compute": metrics.asr.compute_ms,
-            "llm_queue": metrics.llm.queue_ms,
-            "llm_first_token": metrics.llm.compute_ms,
-            "tts_queue": metrics.tts.queue_ms,
-            "tts_first_audio": metrics.tts.compute_ms,
-        }
-        for stage, value_ms in stages_ms.items():
+        for stage, value_ms in stages.server_stages_ms(metrics).items():
             telemetry.TURN_STAGE.labels(stage).observe(max(0.0, value_ms) / 1000)
         if metrics.v2v_ms:
             telemetry.TURN_V2V.observe(metrics.v2v_ms / 1000)

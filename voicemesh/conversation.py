@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
+from voicemesh import stages
 from voicemesh.audio import FRAME_MS, Clip
 from voicemesh.clients import epoch_us, paced, pcm_frame
 from voicemesh.serving import channel_options
@@ -235,15 +236,7 @@ class TalkTurn:
             "interrupted": self.interrupted,
             "v2v_ms": None if self.v2v_ms is None else round(self.v2v_ms, 1),
             "stages_ms": {
-                "upload": round(server.upload_ms, 1),
-                "endpoint": round(server.endpoint_ms, 1),
-                "asr_queue": round(server.asr.queue_ms, 1),
-                "asr_compute": round(server.asr.compute_ms, 1),
-                "llm_queue": round(server.llm.queue_ms, 1),
-                "llm_first_token": round(server.llm.compute_ms, 1),
-                "tts_queue": round(server.tts.queue_ms, 1),
-                "tts_first_audio": round(server.tts.compute_ms, 1),
-                "gateway_hold": round(server.gateway_ms, 1),
+                **{name: round(value_ms, 1) for name, value_ms in stages.server_stages_ms(server).items()},
                 "downlink": round(self.metrics.downlink_ms, 1) if self.metrics else 0.0,
             },
             "server_v2v_ms": round(server.v2v_ms, 1),

@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-PERCENTILES = (50, 95, 99)
+from voicemesh.stages import QUEUE_STAGES
 
-# Stages where time grows when a service runs out of capacity: the waits, not the work.
-QUEUE_STAGES = ("asr_queue", "llm_queue", "tts_queue", "gateway_hold")
+PERCENTILES = (50, 95, 99)
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -43,6 +43,7 @@ from voicemesh.conversation import (
     speech_frames,
 )
 from voicemesh.mesh import DEFAULT_PORTS, local_mesh
+from voicemesh.stages import QUEUE_STAGES, STAGE_NAMES
 from voicemesh.v1 import conversation_pb2
 
 log = logging.getLogger(__name__)
@@ -56,18 +57,6 @@ MAX_SESSIONS = 512
 MAX_TURNS = 100
 DEFAULT_BUDGET_MS = 1500.0
 TRANSPORTS = ("grpc", "ws")
-STAGES = (
-    "upload",
-    "endpoint",
-    "asr_queue",
-    "asr_compute",
-    "llm_queue",
-    "llm_first_token",
-    "tts_queue",
-    "tts_first_audio",
-    "gateway_hold",
-    "downlink",
-)
 OK = "OK"
 NOT_STARTED = "NOT_STARTED"
 
@@ -473,7 +462,7 @@ def build_report(
         },
         "percentile_method": "linear interpolation between closest ranks (numpy default, Hyndman-Fan type 7)",
         "v2v_ms": loadstats.summarize([turn.v2v_ms for turn in ok if turn.v2v_ms is not None]),
-        "stages_ms": {stage: loadstats.summarize([turn.stages_ms[stage] for turn in ok]) for stage in STAGES},
+        "stages_ms": {stage: loadstats.summarize([turn.stages_ms[stage] for turn in ok]) for stage in STAGE_NAMES},
         "live_sessions": [[round(t_s, 3), count] for t_s, count in loadstats.live_sessions(spans_s)],
         "sessions": [
             {
@@ -542,8 +531,8 @@ async def sweep(
                 "turns_failed": counts["failed"],
                 "failed_by_error": counts["failed_by_error"],
                 "ok_turns_per_min": report["throughput"]["ok_turns_per_min"],  # type: ignore[index]
-                "queue_medians_ms": {stage: stages[stage]["p50"] for stage in loadstats.QUEUE_STAGES},
-                "stage_p99_ms": {stage: stages[stage]["p99"] for stage in STAGES},
+                "queue_medians_ms": {stage: stages[stage]["p50"] for stage in QUEUE_STAGES},
+                "stage_p99_ms": {stage: stages[stage]["p99"] for stage in STAGE_NAMES},
                 "report": report.get("files", {}),
             }
         )
@@ -610,7 +599,7 @@ def format_summary(report: dict[str, object]) -> str:
         return f"{name:<20}{cells}"
 
     lines.append(row("V2V", v2v))
-    lines += [row(f"  {stage}", stages[stage]) for stage in STAGES]
+    lines += [row(f"  {stage}", stages[stage]) for stage in STAGE_NAMES]
     failures: dict[str, int] = counts["failed_by_error"]  # type: ignore[assignment]
     if failures:
         lines += ["", "failed by error: " + ", ".join(f"{status} x{count}" for status, count in failures.items())]

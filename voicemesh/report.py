@@ -18,18 +18,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from voicemesh.loadstats import summarize
-
-STAGES = (
-    "upload",
-    "endpoint",
-    "asr.queue",
-    "asr.compute",
-    "llm.queue",
-    "llm.first_token",
-    "tts.queue",
-    "tts.first_audio",
-    "downlink",
-)
+from voicemesh.stages import SPAN_NAMES
 
 
 def read_jsonl(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -103,7 +92,7 @@ def turn_table(spans: list[dict[str, Any]]) -> list[dict[str, float]]:
             continue
         row = {"v2v": float(turns[0]["attributes"]["v2v_ms"])}
         for span in trace_spans:
-            if span["name"] in STAGES:
+            if span["name"] in SPAN_NAMES:
                 row[span["name"]] = (span["end_ns"] - span["start_ns"]) / 1e6
         rows.append(row)
     return rows
@@ -114,7 +103,7 @@ def summarize_turns(spans: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "turns": len(rows),
         "v2v_ms": summarize([r["v2v"] for r in rows]),
-        "stages_ms": {stage: summarize([r[stage] for r in rows if stage in r]) for stage in STAGES},
+        "stages_ms": {stage: summarize([r[stage] for r in rows if stage in r]) for stage in SPAN_NAMES},
     }
 
 

@@ -117,10 +117,10 @@ function renderLatency(t) {
     ms(m.v2v_ms),
     t.transport === "webrtc" ? "–" : ms(m.upload_ms),
     ms(m.endpoint_ms),
-    m.asr ? `${ms(m.asr.queue_ms)}+${ms(m.asr.compute_ms)}` : "",
-    m.llm ? `${ms(m.llm.queue_ms)}+${ms(m.llm.compute_ms)}` : "",
-    m.tts ? `${ms(m.tts.queue_ms)}+${ms(m.tts.compute_ms)}` : "",
-    ms(m.gateway_ms),
+    `${ms(m.asr_queue_ms)}+${ms(m.asr_compute_ms)}`,
+    `${ms(m.llm_queue_ms)}+${ms(m.llm_first_token_ms)}`,
+    `${ms(m.tts_queue_ms)}+${ms(m.tts_first_audio_ms)}`,
+    ms(m.gateway_hold_ms),
     t.played_ms && m.first_audio_sent_us ? ms(t.played_ms - m.first_audio_sent_us / 1000) : "",
   ];
   row.replaceChildren(...cells.map((value) => Object.assign(document.createElement("td"), { textContent: value })));

@@ -14,7 +14,8 @@ import pytest_asyncio
 
 from tests.conftest import SHARED_AUDIO, free_port, load_clip
 from voicemesh import cli
-from voicemesh.loadtest import STAGES, LoadTestOptions, loadtest, run_loadtest
+from voicemesh.loadtest import LoadTestOptions, loadtest, run_loadtest
+from voicemesh.stages import STAGE_NAMES
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -54,7 +55,7 @@ def assert_complete(report: dict, out_dir: Path, sessions: int, turns: int) -> N
     for turn in report["per_turn"]:
         if turn["ok"]:
             assert turn["v2v_ms"] is not None and turn["v2v_ms"] > 0, turn
-            assert set(turn["stages_ms"]) == set(STAGES)
+            assert set(turn["stages_ms"]) == set(STAGE_NAMES)
         else:
             assert turn["status"] and turn["status"] != "OK" and turn["v2v_ms"] is None, turn
     assert sum(counts["failed_by_error"].values()) == counts["failed"]

@@ -12,9 +12,9 @@ from tests.conftest import free_port, load_clip
 from voicemesh import report
 from voicemesh.conversation import talk
 from voicemesh.mesh import Mesh
+from voicemesh.stages import SPAN_NAMES
 
 pytestmark = pytest.mark.integration
-STAGES = report.STAGES
 
 
 async def test_one_trace_per_turn_across_processes_and_metrics(tmp_path) -> None:
@@ -36,7 +36,7 @@ async def test_one_trace_per_turn_across_processes_and_metrics(tmp_path) -> None
             traces = defaultdict(list)
             for span in collector.spans:
                 traces[span["trace_id"]].append(span)
-            complete = [t for t in traces.values() if {s["name"] for s in t} >= {"turn", *STAGES}]
+            complete = [t for t in traces.values() if {s["name"] for s in t} >= {"turn", *SPAN_NAMES}]
             if complete:
                 break
             await asyncio.sleep(0.2)

@@ -41,11 +41,11 @@ def test_an_uplink_frame_must_be_a_header_and_20_ms_of_audio() -> None:
 
 def test_events_become_flat_json_with_every_field_and_exact_microseconds() -> None:
     metrics = conversation_pb2.TurnMetrics(v2v_ms=512.5, first_audio_sent_us=1_790_000_000_123_456)
-    metrics.asr.compute_ms = 80
+    metrics.asr_compute_ms = 80
     message = event_message(conversation_pb2.ConverseEvent(turn_index=3, metrics=metrics))
     assert message["type"] == "metrics" and message["turn_index"] == 3
     assert message["first_audio_sent_us"] == 1_790_000_000_123_456
-    assert message["asr"]["compute_ms"] == 80 and message["llm"]["compute_ms"] == 0
+    assert message["asr_compute_ms"] == 80 and message["llm_first_token_ms"] == 0
     assert json.loads(json.dumps(message)) == message
     partial = event_message(conversation_pb2.ConverseEvent(user_partial=conversation_pb2.Transcript(text="the child")))
     assert partial == {"type": "user_partial", "turn_index": 0, "text": "the child", "stable_prefix": ""}

@@ -12,7 +12,6 @@ import pytest
 
 from voicemesh import loadstats, report_html
 from voicemesh.loadtest import (
-    STAGES,
     LoadTestError,
     LoadTestOptions,
     check_options,
@@ -21,6 +20,7 @@ from voicemesh.loadtest import (
     load_clips,
     parse_levels,
 )
+from voicemesh.stages import QUEUE_STAGES, STAGE_NAMES
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,7 @@ def test_live_sessions_counts_overlapping_spans() -> None:
 
 
 def _level(sessions: int, within: bool, **queues: float) -> dict[str, object]:
-    medians = dict.fromkeys(loadstats.QUEUE_STAGES, 1.0) | queues
+    medians = dict.fromkeys(QUEUE_STAGES, 1.0) | queues
     return {"sessions": sessions, "within_budget": within, "queue_medians_ms": medians}
 
 
@@ -188,7 +188,7 @@ def _report(ok_v2v: list[float], failed: int) -> dict[str, object]:
             "detail": "",
             "v2v_ms": v2v,
             "server_v2v_ms": v2v - 5,
-            "stages_ms": dict.fromkeys(STAGES, v2v / 20),
+            "stages_ms": dict.fromkeys(STAGE_NAMES, v2v / 20),
             "clip_start_s": i * 2.0,
             "clip_end_s": i * 2.0 + 1.5,
             "speech_end_s": i * 2.0 + 1.4,
@@ -230,7 +230,7 @@ def _report(ok_v2v: list[float], failed: int) -> dict[str, object]:
         },
         "throughput": {"ok_turns_per_min": 9.6},
         "v2v_ms": loadstats.summarize(ok_v2v),
-        "stages_ms": {s: loadstats.summarize([v / 20 for v in ok_v2v]) for s in STAGES},
+        "stages_ms": {s: loadstats.summarize([v / 20 for v in ok_v2v]) for s in STAGE_NAMES},
         "live_sessions": [[0.0, 0], [0.1, 1], [0.6, 2], [11.0, 1], [12.4, 0]],
         "per_turn": turns,
     }
@@ -257,7 +257,7 @@ def test_html_report_with_no_completed_turns_still_renders() -> None:
 
 def test_summary_table_lists_every_stage_and_the_failures() -> None:
     text = format_summary(_report([420.0, 510.0], failed=1))
-    assert "V2V" in text and all(stage in text for stage in STAGES)
+    assert "V2V" in text and all(stage in text for stage in STAGE_NAMES)
     assert "UNAVAILABLE x1" in text and "connection refused" in text
 
 
@@ -271,7 +271,7 @@ def test_html_sweep_report_links_each_level() -> None:
         "v2v_p95_ms": 700.0,
         "v2v_p99_ms": 710.0,
         "ok_turns_per_min": 6.0,
-        "queue_medians_ms": dict.fromkeys(loadstats.QUEUE_STAGES, 1.0),
+        "queue_medians_ms": dict.fromkeys(QUEUE_STAGES, 1.0),
         "report": {"html": "/out/sessions-1/loadtest.html"},
     }
     result = {
