@@ -25,7 +25,8 @@ def _median(values: list[float]) -> float:
 
 
 def bench_asr(repeats: int = 7) -> dict[str, object]:
-    from services.asr.engine import WhisperTranscriber
+    from services.asr.engine import DecodeOptions
+    from services.asr.whisper_engine import WhisperTranscriber
     from voicemesh.audio import read_wav
 
     transcriber = WhisperTranscriber(cpu_threads=2)
@@ -38,8 +39,8 @@ def bench_asr(repeats: int = 7) -> dict[str, object]:
         transcriber.transcribe(audio)
         trimmed, full = [], []
         for _ in range(repeats):  # interleaved so drift in machine load hits both alike
-            trimmed.append(transcriber.transcribe(audio, trimmed=True, word_timestamps=False).compute_ms)
-            full.append(transcriber.transcribe(audio, trimmed=False, word_timestamps=False).compute_ms)
+            trimmed.append(transcriber.transcribe(audio, DecodeOptions(trimmed=True, word_timings=False)).compute_ms)
+            full.append(transcriber.transcribe(audio, DecodeOptions(trimmed=False, word_timings=False)).compute_ms)
         results[name] = {
             "audio_s": round(len(audio) / 16000, 2),
             "trimmed_ms_p50": _median(trimmed),
@@ -101,7 +102,7 @@ async def _generate(engine, request) -> tuple[float, int, float]:  # type: ignor
 
 def bench_tts(repeats: int = 7) -> dict[str, object]:
     from services.tts.chunking import Chunker, Policy
-    from services.tts.engine import PiperEngine
+    from services.tts.piper_engine import PiperEngine
 
     engine = PiperEngine(intra_op_threads=2)
     list(engine.synthesize("Warm up."))

@@ -21,7 +21,7 @@ def pcm16_to_float(data: bytes) -> np.ndarray:
 
 def float_to_pcm16(samples: np.ndarray) -> bytes:
     """float samples -> PCM16LE bytes (clipped)."""
-    return (np.clip(samples, -1.0, 32767 / 32768) * 32768.0).astype("<i2").tobytes()
+    return bytes((np.clip(samples, -1.0, 32767 / 32768) * 32768.0).astype("<i2").tobytes())
 
 
 def samples_per_frame(rate_hz: int, frame_ms: int = FRAME_MS) -> int:
@@ -34,21 +34,23 @@ class StreamResampler:
     def __init__(self, in_rate_hz: int, out_rate_hz: int) -> None:
         self.in_rate_hz = in_rate_hz
         self.out_rate_hz = out_rate_hz
-        self._stream = None
+        self._stream: soxr.ResampleStream | None = None
         if in_rate_hz != out_rate_hz:
             self._stream = soxr.ResampleStream(in_rate_hz, out_rate_hz, 1, dtype="float32", quality="HQ")
 
     def process(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
         if self._stream is None:
             return samples.astype(np.float32, copy=False)
-        return self._stream.resample_chunk(samples.astype(np.float32, copy=False), last=last)
+        resampled: np.ndarray = self._stream.resample_chunk(samples.astype(np.float32, copy=False), last=last)
+        return resampled
 
 
 def resample(samples: np.ndarray, in_rate_hz: int, out_rate_hz: int) -> np.ndarray:
     """Resample a whole signal."""
     if in_rate_hz == out_rate_hz:
         return samples.astype(np.float32, copy=False)
-    return soxr.resample(samples.astype(np.float32, copy=False), in_rate_hz, out_rate_hz, quality="HQ")
+    resampled: np.ndarray = soxr.resample(samples.astype(np.float32, copy=False), in_rate_hz, out_rate_hz, quality="HQ")
+    return resampled
 
 
 class Framer:

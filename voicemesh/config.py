@@ -11,9 +11,12 @@ import dataclasses
 import os
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-T = TypeVar("T")
+if TYPE_CHECKING:  # typeshed's protocol for "a dataclass", which exists only for type checkers
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 def setting(default: Any, doc: str) -> Any:

@@ -15,7 +15,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
+
+from voicemesh.serving import health_check
 
 DEFAULT_PORTS = {"asr": 50061, "llm": 50062, "tts": 50063, "gateway": 50051}
 
@@ -24,10 +26,10 @@ async def wait_healthy(target: str, timeout_s: float = 120.0, service: str = "")
     """Poll grpc.health.v1 until SERVING; raises TimeoutError naming the target."""
     deadline = time.monotonic() + timeout_s
     async with grpc.aio.insecure_channel(target) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        check = health_check(channel)
         while True:
             try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                reply = await check(health_pb2.HealthCheckRequest(service=service), timeout=2)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.aio.AioRpcError:
@@ -118,7 +120,8 @@ def free_port() -> int:
     """A loopback port nobody listens on right now."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 @contextlib.contextmanager

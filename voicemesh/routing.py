@@ -45,7 +45,7 @@ async def resolve_dns(name_port: str) -> list[str]:
     """All IPv4/IPv6 addresses of a headless Service name, as host:port targets."""
     host, _, port = name_port.rpartition(":")
     infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    addresses = sorted({info[4][0] for info in infos})
+    addresses = sorted({str(info[4][0]) for info in infos})
     return [f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in addresses]
 
 

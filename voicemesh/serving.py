@@ -43,11 +43,22 @@ def channel_options(max_message_bytes: int = 4 * 1024 * 1024) -> list[tuple[str,
     ]
 
 
+def health_check(
+    channel: grpc.aio.Channel,
+) -> grpc.aio.UnaryUnaryMultiCallable[health_pb2.HealthCheckRequest, health_pb2.HealthCheckResponse]:
+    """The standard grpc.health.v1 `Check` call on `channel` (typed: the health package's own stub is not)."""
+    return channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+
+
 def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     """Wrap a streaming servicer method: RequestError -> its status; anything else -> INTERNAL, logged."""
 
     @functools.wraps(method)
-    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
             async for item in method(self, request, context):
                 yield item

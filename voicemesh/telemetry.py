@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -99,6 +99,8 @@ class JsonlSpanExporter(SpanExporter):
 
 def span_record(span: ReadableSpan) -> dict[str, Any]:
     context = span.get_span_context()
+    if context is None:  # the SDK gives every span it exports a context
+        raise ValueError(f"span {span.name!r} has no context")
     return {
         "name": span.name,
         "trace_id": f"{context.trace_id:032x}",
@@ -160,10 +162,10 @@ def traceparent_of(span: trace.Span | None) -> str:
     return dict(metadata_for(span)).get("traceparent", "")
 
 
-def context_from(carrier: dict[str, str] | Sequence[tuple[str, str]] | None) -> otel_context.Context:
-    """The remote parent context from metadata pairs or a {"traceparent": ...} dict."""
-    items = dict(carrier or {})
-    return propagate.extract({k.lower(): v for k, v in items.items()})
+def context_from(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:
+    """The remote parent context from gRPC metadata pairs or a {"traceparent": ...} dict."""
+    items = carrier.items() if isinstance(carrier, Mapping) else (carrier or ())
+    return propagate.extract({key.lower(): value for key, value in items if isinstance(value, str)})
 
 
 def timed_span(

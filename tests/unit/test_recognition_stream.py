@@ -9,7 +9,7 @@ import pytest
 
 from services.asr.completeness import TurnScorer
 from services.asr.endpointing import EndpointingPolicy
-from services.asr.engine import Transcript
+from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
 from services.asr.stream import RecognitionStream
 from services.asr.vad import WINDOW_SAMPLES
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -30,26 +30,34 @@ class FakeVad:
         return 0.9 if self.windows <= SPEECH_WINDOWS else 0.0
 
 
+ENGLISH_ONLY = TranscriberCapabilities(
+    languages=frozenset({"en"}), detects_language=False, trimmed_decode=True, word_timings=True
+)
+
+
 class FakeTranscriber:
-    """Records at which VAD window each decode was asked for."""
+    """Records at which VAD window each decode was asked for, and with which options."""
 
-    def __init__(self, vad: FakeVad) -> None:
+    name = "fake"
+
+    def __init__(self, vad: FakeVad, capabilities: TranscriberCapabilities = ENGLISH_ONLY) -> None:
         self.vad = vad
+        self.capabilities = capabilities
         self.calls: list[int] = []
+        self.options: list[DecodeOptions] = []
 
-    def transcribe(self, audio: np.ndarray, trimmed: bool = True, word_timestamps: bool = True) -> Transcript:
+    def transcribe(self, audio: np.ndarray, options: DecodeOptions | None = None) -> Transcript:
         self.calls.append(self.vad.windows)
-        return Transcript(text="hello there.")
+        self.options.append(options or DecodeOptions())
+        return Transcript(text="hello there.", language=(options or DecodeOptions()).language or "de")
 
 
-async def _run(final_after_end_of_turn: bool) -> tuple[list[int], list[str]]:
-    vad = FakeVad()
-    transcriber = FakeTranscriber(vad)
+async def _stream_events(
+    transcriber: FakeTranscriber, config: asr_pb2.RecognitionConfig
+) -> list[asr_pb2.RecognizeEvent]:
     events: list[asr_pb2.RecognizeEvent] = []
-    config = asr_pb2.RecognitionConfig(
-        session_id="s", sample_rate_hz=16000, final_after_end_of_turn=final_after_end_of_turn
-    )
     policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
+    vad = transcriber.vad
     stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)  # type: ignore[arg-type]
     # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
@@ -57,7 +65,51 @@ async def _run(final_after_end_of_turn: bool) -> tuple[list[int], list[str]]:
         stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
         await asyncio.sleep(0.01)  # let decodes run between windows, as they would in real time
     await stream.drain()
+    return events
+
+
+async def _run(final_after_end_of_turn: bool) -> tuple[list[int], list[str]]:
+    transcriber = FakeTranscriber(FakeVad())
+    config = asr_pb2.RecognitionConfig(
+        session_id="s", sample_rate_hz=16000, final_after_end_of_turn=final_after_end_of_turn
+    )
+    events = await _stream_events(transcriber, config)
     return transcriber.calls, [e.WhichOneof("event") for e in events]
+
+
+def _final(events: list[asr_pb2.RecognizeEvent]) -> asr_pb2.Final:
+    (final,) = [e.final for e in events if e.WhichOneof("event") == "final"]
+    return final
+
+
+async def test_an_english_only_engine_decodes_english_with_the_options_the_stream_asked_for() -> None:
+    transcriber = FakeTranscriber(FakeVad())
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, skip_word_timings=True)
+    final = _final(await _stream_events(transcriber, config))
+    assert final.language == "en"
+    assert transcriber.options[0] == DecodeOptions(language="en", trimmed=True, word_timings=False)
+
+
+async def test_a_multilingual_engine_detects_the_language_when_the_stream_names_none() -> None:
+    multilingual = TranscriberCapabilities(
+        languages=frozenset({"en", "de", "fr"}), detects_language=True, trimmed_decode=True, word_timings=True
+    )
+    transcriber = FakeTranscriber(FakeVad(), multilingual)
+    final = _final(await _stream_events(transcriber, asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)))
+    assert transcriber.options[0].language == ""  # the engine is asked to detect it
+    assert final.language == "de"  # and the final says what it found
+    transcriber = FakeTranscriber(FakeVad(), multilingual)
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, language="fr")
+    assert _final(await _stream_events(transcriber, config)).language == "fr"
+
+
+async def test_an_engine_without_a_trimmed_decode_gets_full_window_decodes() -> None:
+    untrimmed = TranscriberCapabilities(
+        languages=frozenset({"en"}), detects_language=False, trimmed_decode=False, word_timings=True
+    )
+    transcriber = FakeTranscriber(FakeVad(), untrimmed)
+    await _stream_events(transcriber, asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000))
+    assert transcriber.options and not any(options.trimmed for options in transcriber.options)
 
 
 async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:

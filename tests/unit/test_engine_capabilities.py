@@ -1,0 +1,115 @@
+"""The servers read what an engine declares: languages (ASR), voices and their rates (TTS), request limits.
+
+The second TTS voice is a test double (`FakeToneSynthesizer`): no second Piper voice is published on PyPI.
+The multilingual ASR side is also proven with a real multilingual Whisper model in
+tests/integration/test_asr_service.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from services.asr.engine import TranscriberCapabilities
+from services.asr.server import validate_config as validate_recognition
+from services.tts.engine import SynthesizerCapabilities, Voice
+from services.tts.server import SynthesisStream
+from services.tts.server import validate_config as validate_synthesis
+from voicemesh.errors import RequestError
+from voicemesh.limits import LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
+from voicemesh.v1 import asr_pb2, audio_pb2, tts_pb2
+from voicemesh.workers import WorkerPool
+
+PCM16 = audio_pb2.AUDIO_ENCODING_PCM16LE
+ENGLISH_ONLY = TranscriberCapabilities(
+    frozenset({"en"}), detects_language=False, trimmed_decode=True, word_timings=True
+)
+MULTILINGUAL = TranscriberCapabilities(
+    frozenset({"en", "de", "fr", "ja"}), detects_language=True, trimmed_decode=True, word_timings=True
+)
+
+
+def test_an_english_only_model_refuses_other_languages_and_names_what_it_takes() -> None:
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, language="de")
+    with pytest.raises(RequestError) as refused:
+        validate_recognition(config, ENGLISH_ONLY)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.message == "language='de' unsupported by this model; send en or leave it empty"
+    assert ENGLISH_ONLY.language_for("") == "en"  # empty means the model's only language
+
+
+def test_a_multilingual_model_accepts_its_languages_and_detects_when_none_is_given() -> None:
+    validate_recognition(asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=48000, language="ja"), MULTILINGUAL)
+    assert MULTILINGUAL.language_for("") == ""  # detect
+    with pytest.raises(ValueError, match="language='xx' unsupported"):
+        MULTILINGUAL.language_for("xx")
+
+
+def test_the_asr_refuses_an_input_rate_it_does_not_resample_from() -> None:
+    with pytest.raises(RequestError) as refused:
+        validate_recognition(asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=44100), ENGLISH_ONLY)
+    assert refused.value.message == "sample_rate_hz=44100 unsupported; send one of 16000, 48000"
+
+
+class FakeToneSynthesizer:
+    """Two voices at different native rates; each speaks a tone of its own pitch, one piece per word."""
+
+    capabilities = SynthesizerCapabilities(voices=(Voice("low", 16000, "en_US"), Voice("high", 22050, "en_GB")))
+
+    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+        chosen = self.capabilities.voice(voice)
+        pitch_hz = 200.0 if chosen.name == "low" else 400.0
+        for _word in text.split():
+            t = np.arange(chosen.sample_rate_hz // 10) / chosen.sample_rate_hz  # 100 ms
+            yield (0.3 * np.sin(2 * np.pi * pitch_hz * t)).astype(np.float32)
+
+
+def test_a_stream_picks_any_declared_voice_and_an_unknown_one_is_refused_with_the_list() -> None:
+    engine = FakeToneSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, encoding=PCM16)
+    assert validate_synthesis(config, engine).name == "low"  # the first is the default
+    config.voice = "high"
+    assert validate_synthesis(config, engine) == Voice("high", 22050, "en_GB")
+    config.voice = "en_US-joe-medium"
+    with pytest.raises(RequestError) as refused:
+        validate_synthesis(config, engine)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.message == "voice='en_US-joe-medium' unknown; available: 'low', 'high' (or empty for 'low')"
+
+
+async def test_each_voice_is_resampled_from_its_own_rate_to_the_rate_asked_for() -> None:
+    engine = FakeToneSynthesizer()
+    durations_ms = {}
+    for voice in ("low", "high"):
+        config = tts_pb2.SynthesisConfig(
+            session_id="s", voice=voice, sample_rate_hz=48000, lookahead_words=1, encoding=PCM16
+        )
+        stream = SynthesisStream(config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"))
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text="one two ")))
+        stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
+        stream.end_input()
+        await asyncio.wait_for(stream.synthesize_loop(), 10)
+        events = []
+        while not stream.events.empty():
+            events.append(stream.events.get_nowait())
+        frames = [e.audio.frame for e in events if e is not None and e.WhichOneof("event") == "audio"]
+        assert frames and all(len(f.data) == 48000 * 2 // 50 for f in frames)  # 20 ms at 48 kHz
+        assert {f.sample_rate_hz for f in frames} == {48000}
+        durations_ms[voice] = len(frames) * 20
+    assert durations_ms["low"] == durations_ms["high"] == 200  # two 100 ms words, whatever the voice's rate
+
+
+def test_limits_are_one_definition_with_one_message() -> None:
+    assert MAX_TOKENS.resolve(0, "max_tokens") == 48
+    with pytest.raises(RequestError, match=r"max_tokens=513 out of range; send 1-512 \(or 0 for 48\)$"):
+        MAX_TOKENS.resolve(513, "max_tokens")
+    with pytest.raises(RequestError) as refused:
+        LOOKAHEAD_WORDS.resolve(5, "options.tts_lookahead_words")
+    assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert OUTPUT_RATES.check(0, "sample_rate_hz") == 16000
+    with pytest.raises(RequestError, match=r"send one of 16000, 22050, 24000, 48000 \(or 0 for 16000\)"):
+        OUTPUT_RATES.check(8000, "sample_rate_hz")
