@@ -29,7 +29,7 @@ def main() -> None:
         clips = tuple(str(audio / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "wizard", "horizon"))
         options = loadtest.LoadTestOptions(target="", turns=2, audio=clips)
         out = Path(__file__).resolve().parent / "results" / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
-        results["loadtest_sweep"] = loadtest.run_sweep(options, (1, 2, 4, 8), out_dir=out)
+        results["loadtest_sweep"] = loadtest.run_sweep(options, (1, 2, 4, 8), out_dir=out).to_json()
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

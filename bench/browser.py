@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 
 from voicemesh.audio import Clip, float_to_pcm16, read_wav, write_wav
-from voicemesh.loadstats import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -161,8 +160,8 @@ def _summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
     return {
-        "p50": round(percentile(values, 50), 1),
-        "p95": round(percentile(values, 95), 1),
+        "p50": round(float(np.percentile(values, 50)), 1),
+        "p95": round(float(np.percentile(values, 95)), 1),
         "mean": round(statistics.fmean(values), 1),
         "min": round(min(values), 1),
         "max": round(max(values), 1),

@@ -19,9 +19,10 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from voicemesh.audio import read_wav
 from voicemesh.conversation import talk
-from voicemesh.loadstats import percentile
 from voicemesh.mesh import local_mesh
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
@@ -88,8 +89,8 @@ async def measure(target: str, modes: list[str], clips: list[str], rounds: int) 
         summary[mode] = {
             "turns": len(v2v),
             "failed_turns": failed[mode],
-            "v2v_p50_ms": round(percentile(v2v, 50), 1) if v2v else None,
-            "v2v_p95_ms": round(percentile(v2v, 95), 1) if v2v else None,
+            "v2v_p50_ms": round(float(np.percentile(v2v, 50)), 1) if v2v else None,
+            "v2v_p95_ms": round(float(np.percentile(v2v, 95)), 1) if v2v else None,
             "v2v_max_ms": max(v2v) if v2v else None,
             "stage_medians_ms": stages,
             "speculative_used": sum(1 for r in rows[mode] if r["speculative_used"]),

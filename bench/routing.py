@@ -70,8 +70,8 @@ async def sticky_vs_round_robin(backends: Backends, targets: list[str]) -> dict[
             results[mode].append(ms)
     sticky, rr = statistics.median(results["sticky"]), statistics.median(results["round_robin"])
     return {
-        "second_turn_ttft_ms_sticky": summarize(results["sticky"]),
-        "second_turn_ttft_ms_round_robin": summarize(results["round_robin"]),
+        "second_turn_ttft_ms_sticky": summarize(results["sticky"]).to_json(),
+        "second_turn_ttft_ms_round_robin": summarize(results["round_robin"]).to_json(),
         "ratio_p50_round_robin_over_sticky": round(rr / sticky, 2),
     }
 
@@ -94,7 +94,7 @@ async def burst(backends: Backends, size: int) -> dict[str, object]:
         "ok": len(ok),
         "failed": len(failed),
         "failed_status": sorted(set(failed)),
-        "ttft_ms": summarize(ok),
+        "ttft_ms": summarize(ok).to_json(),
     }
 
 

@@ -27,12 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
-from services.asr.engine import WhisperTranscriber
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
+from services.asr.whisper_engine import WhisperTranscriber
 from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy
-from voicemesh.loadstats import percentile
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
 
@@ -97,7 +96,7 @@ def build_set(transcriber: WhisperTranscriber, clip_names: list[str]) -> list[Ut
     for name in clip_names:
         audio = read_wav(CLIPS / f"{name}.wav").to_rate(16000).samples
         end_ms = speech_end_ms(audio, 16000)
-        words = transcriber.transcribe(audio[: int((end_ms / 1000 + 0.3) * 16000)], word_timestamps=True).words
+        words = transcriber.transcribe(audio[: int((end_ms / 1000 + 0.3) * 16000)]).words
         noise_floor = float(np.sqrt(np.mean(audio[: int(0.05 * 16000)] ** 2)) + 1e-5)
         utterances.append(Utterance(f"{name}", name, "complete", audio, 16000, end_ms))
         # A pause spliced in at the middle word boundary (room tone at the clip's own floor, not digital zeros).
@@ -149,7 +148,7 @@ async def run_one(
 ) -> Outcome:
     events: list[asr_pb2.RecognizeEvent] = []
     config = asr_pb2.RecognitionConfig(session_id="bench", sample_rate_hz=utterance.rate_hz, skip_word_timings=True)
-    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, events.append, scorer)  # type: ignore[arg-type]
+    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, events.append, scorer)
     audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
     frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
     scorer.records.clear()
@@ -189,8 +188,8 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
             return {"n": 0}
         return {
             "n": len(values),
-            "p50_ms": round(percentile(values, 50), 1),
-            "p95_ms": round(percentile(values, 95), 1),
+            "p50_ms": round(float(np.percentile(values, 50)), 1),
+            "p95_ms": round(float(np.percentile(values, 95)), 1),
             "max_ms": round(max(values), 1),
         }
 

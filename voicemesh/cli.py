@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import sys
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 
+from voicemesh import console
 from voicemesh.audio import read_wav, write_wav
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, wait_healthy
 
@@ -30,38 +34,59 @@ def _serve(argv: Sequence[str]) -> None:
 
 
 async def _up(args: argparse.Namespace) -> None:
-    mesh = Mesh(log_dir=args.log_dir)
+    """The whole mesh on loopback until Ctrl-C or SIGTERM. On a terminal it prints a line per turn and problem;
+    the services' JSON logs go to --log-dir (on the terminal instead with --json-logs, or when not a TTY)."""
+    human = sys.stdout.isatty() and not args.json_logs
+    log_dir: str | None = args.log_dir or (tempfile.mkdtemp(prefix="voicemesh-logs-") if human else None)
+    mesh = Mesh(log_dir=log_dir)
     ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port, "gateway": args.gateway_port}
-    for name in ("asr", "llm", "tts"):
-        mesh.start(name, ports[name])
-    mesh.start(
-        "gateway",
-        ports["gateway"],
-        [
-            *(f"--{name}-target=127.0.0.1:{ports[name]}" for name in ("asr", "llm", "tts")),
-            f"--http-port={args.http_port}",
-        ],
-    )
+    # What was heard and replied goes into the gateway's turn log only here, for the person at the terminal.
+    mesh.start_local(ports, args.http_port, ["--log-transcripts"] if human else [])
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a supervisor's SIGTERM stops the children too
+        loop.add_signal_handler(signum, stop.set)
     print("starting ASR, LLM, TTS and the gateway, each its own process (models load in a few seconds)...", flush=True)
     try:
         await mesh.wait()
-        for name, port in ports.items():
-            print(f"  {name:<8} grpc://127.0.0.1:{port}  SERVING", flush=True)
         print(
-            f"\nweb page:    http://127.0.0.1:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)"
-            f"\ntalk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav --target 127.0.0.1:{ports['gateway']}\n"
-            f"each stage:  voicemesh transcribe CLIP.wav --target 127.0.0.1:{ports['asr']}\n"
-            f'             voicemesh ask "What is the capital of Spain?" --target 127.0.0.1:{ports["llm"]}\n'
-            f'             voicemesh say "Hello there." --out hello.wav --target 127.0.0.1:{ports["tts"]}\n'
-            "Ctrl-C stops everything.",
+            f"web page:    http://127.0.0.1:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)\n"
+            f"talk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav --target 127.0.0.1:{ports['gateway']}\n"
+            f"services:    {', '.join(f'{name} 127.0.0.1:{port}' for name, port in ports.items())} (gRPC, SERVING)\n"
+            + (f"logs:        {log_dir}/{{asr,llm,tts,gateway}}.log (JSON)\n" if log_dir else "")
+            + "Ctrl-C stops everything.\n",
             flush=True,
         )
-        while all(p.popen.poll() is None for p in mesh.processes.values()):
-            await asyncio.sleep(0.5)
-        dead = [p.name for p in mesh.processes.values() if p.popen.poll() is not None]
-        print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+        watchers = [asyncio.ensure_future(_watch_children(mesh, stop))]
+        if human and log_dir:
+            watchers.append(asyncio.ensure_future(_print_events(Path(log_dir), stop)))
+        await stop.wait()
+        await asyncio.gather(*watchers)
     finally:
         mesh.stop_all()
+        print("stopped.", flush=True)
+
+
+async def _watch_children(mesh: Mesh, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        dead = [p for p in mesh.processes.values() if p.popen.poll() is not None]
+        if dead:
+            for process in dead:
+                print(f"{process.name} exited with {process.popen.returncode}; stopping the mesh", file=sys.stderr)
+                if mesh.log_dir:
+                    for line in console.tail(Path(mesh.log_dir) / f"{process.name}.log", 5):
+                        print(f"  {line}", file=sys.stderr)
+            stop.set()
+            return
+        await asyncio.sleep(0.5)
+
+
+async def _print_events(log_dir: Path, stop: asyncio.Event) -> None:
+    paths = {name: log_dir / f"{name}.log" for name in SERVICES}
+    async for service, record in console.follow(paths, stop):
+        line = console.human_line(service, record)
+        if line is not None:
+            print(line, flush=True)
 
 
 async def _transcribe(args: argparse.Namespace) -> int:
@@ -166,11 +191,11 @@ async def _talk(args: argparse.Namespace) -> int:
         )
         return 0
     for turn in turns:
-        row = turn.as_dict()
-        print(f"turn {row['turn']}: you said {row['user']!r}")
-        print(f"         reply {row['reply']!r}{' (interrupted)' if row['interrupted'] else ''}")
-        stages = ", ".join(f"{k} {v:.0f}" for k, v in row["stages_ms"].items())  # type: ignore[union-attr]
-        print(f"         V2V {row['v2v_ms']} ms  [{stages}]")
+        print(f"turn {turn.turn_index}: you said {turn.user_text!r}")
+        print(f"         reply {turn.reply_text!r}{' (interrupted)' if turn.interrupted else ''}")
+        stages = ", ".join(f"{name} {value_ms:.0f}" for name, value_ms in turn.stages_ms.items())
+        v2v = "-" if turn.v2v_ms is None else f"{turn.v2v_ms:.1f}"
+        print(f"         V2V {v2v} ms  [{stages}]")
     if args.out:
         print(f"wrote {args.out}: {len(audio) / 32000:.1f} s of reply audio")
     return 0
@@ -187,7 +212,7 @@ async def _report(args: argparse.Namespace) -> int:
         print("give JSONL span files or --listen HOST:PORT", file=sys.stderr)
         return 2
     summary = report.summarize_turns(spans)
-    print(json.dumps(summary, indent=2) if args.json else report.format_table(summary))
+    print(json.dumps(summary.to_json(), indent=2) if args.json else report.format_table(summary))
     return 0
 
 
@@ -202,9 +227,9 @@ async def _health(args: argparse.Namespace) -> int:
 
 
 async def _loadtest(args: argparse.Namespace) -> int:
-    from voicemesh import loadtest
+    from voicemesh.loadtest import command
 
-    return await loadtest.command(args)
+    return await command(args)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -216,13 +241,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("serve", help="run one service: voicemesh serve {asr,llm,tts,gateway} --help")
 
-    up = sub.add_parser("up", help="start ASR, LLM and TTS on loopback and wait for health")
+    up = sub.add_parser("up", help="start ASR, LLM, TTS and the gateway on loopback; print a line per turn")
     up.add_argument("--asr-port", type=int, default=DEFAULT_PORTS["asr"])
     up.add_argument("--llm-port", type=int, default=DEFAULT_PORTS["llm"])
     up.add_argument("--tts-port", type=int, default=DEFAULT_PORTS["tts"])
     up.add_argument("--gateway-port", type=int, default=DEFAULT_PORTS["gateway"])
     up.add_argument("--http-port", type=int, default=8080, help="the gateway's web page and browser doors")
-    up.add_argument("--log-dir", default=None, help="write each service's logs here instead of the terminal")
+    up.add_argument(
+        "--log-dir", default=None, help="write each service's JSON logs here (default on a terminal: a temp dir)"
+    )
+    up.add_argument("--json-logs", action="store_true", help="the services' JSON logs on the terminal, not a summary")
 
     tr = sub.add_parser("transcribe", help="stream a WAV into the ASR service")
     tr.add_argument("clip")
@@ -266,21 +294,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         "loadtest",
         help="N concurrent sessions of real speech against a gateway: V2V p50/p95/p99 per stage, HTML report",
     )
-    load.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}", help="gateway HOST:PORT")
-    load.add_argument("--sessions", type=int, default=2, help="concurrent sessions")
-    load.add_argument("--turns", type=int, default=2, help="turns (clips spoken) per session")
+    # Flags left out are None: the defaults live in voicemesh.loadtest (LoadTestOptions, DEFAULT_BUDGET_MS).
+    load.add_argument("--target", help="gateway HOST:PORT (default: the local mesh's gateway)")
+    load.add_argument("--sessions", type=int, help="concurrent sessions")
+    load.add_argument("--turns", type=int, help="turns (clips spoken) per session")
     load.add_argument("--audio", nargs="+", required=True, help="16-bit WAV files or directories of them")
-    load.add_argument("--transport", choices=("grpc", "ws"), default="grpc")
-    load.add_argument("--ramp-s", type=float, default=1.0, help="spread session starts over this many seconds")
-    load.add_argument("--duration-s", type=float, default=300.0, help="hard time limit for the whole test")
-    load.add_argument(
-        "--turn-timeout-s", type=float, default=30.0, help="a reply not done this long after its clip fails"
-    )
+    load.add_argument("--transport", help="grpc (Conversation.Converse) or ws")
+    load.add_argument("--ramp-s", type=float, help="spread session starts over this many seconds")
+    load.add_argument("--duration-s", type=float, help="hard time limit for the whole test")
+    load.add_argument("--turn-timeout-s", type=float, help="a reply not done this long after its clip fails")
     load.add_argument(
         "--out", default=None, help="directory for the JSON and HTML report (default loadtest-results/TIME)"
     )
     load.add_argument("--sweep", default="", help="session counts, e.g. 1,2,4,8: find the largest within --budget-ms")
-    load.add_argument("--budget-ms", type=float, default=1500.0, help="p99 V2V budget for --sweep")
+    load.add_argument("--budget-ms", type=float, help="p99 V2V budget for --sweep")
     load.add_argument("--sweep-all", action="store_true", help="run every --sweep level, even past the budget")
     load.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
 

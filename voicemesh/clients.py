@@ -32,14 +32,27 @@ def pcm_frame(data: bytes, rate_hz: int, seq: int) -> audio_pb2.AudioFrame:
     )
 
 
+class Pacer:
+    """Real-time pace on an absolute schedule: the k-th `wait()` returns at start + k * 20 ms, so there is no drift."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._frames = 0
+
+    async def wait(self) -> None:
+        """Sleep until the next frame is due; return at once when running behind."""
+        delay = self._start + self._frames * FRAME_MS / 1000 - time.monotonic()
+        self._frames += 1
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
 async def paced(frames: Iterable[bytes], realtime: bool = True) -> AsyncIterator[tuple[int, bytes]]:
-    """Yield (index, frame) at real-time pace on an absolute schedule (no drift), or as fast as possible."""
-    start = time.monotonic()
+    """Yield (index, frame) at real-time pace (a `Pacer`), or as fast as possible."""
+    pacer = Pacer()
     for index, data in enumerate(frames):
         if realtime:
-            delay = start + index * FRAME_MS / 1000 - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await pacer.wait()
         yield index, data
 
 
@@ -80,7 +93,7 @@ async def recognize(
 
 
 async def generate(
-    target: str, messages: list[tuple[int, str]], session_id: str = "", max_tokens: int = 0
+    target: str, messages: list[tuple[llm_pb2.Role, str]], session_id: str = "", max_tokens: int = 0
 ) -> AsyncIterator[llm_pb2.GenerateResponse]:
     """Stream a reply; `messages` are (llm_pb2.ROLE_*, text) pairs."""
     request = llm_pb2.GenerateRequest(
@@ -97,7 +110,7 @@ async def synthesize(
     target: str,
     deltas: Iterable[str],
     rate_hz: int = 22050,
-    chunking: int = tts_pb2.CHUNKING_POLICY_WORDS,
+    chunking: tts_pb2.ChunkingPolicy = tts_pb2.CHUNKING_POLICY_WORDS,
     lookahead_words: int = 2,
     delta_interval_s: float = 0.0,
 ) -> AsyncIterator[tuple[float, tts_pb2.SynthesizeEvent]]:

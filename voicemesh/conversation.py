@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -211,6 +211,17 @@ def speech_frames(frames: list[bytes], floor_dbfs: float = -75.0, below_peak_db:
     return list(level > threshold)
 
 
+def speech_end_sent_us(sent: Iterable[tuple[int, bool]], server_speech_end_us: int) -> int:
+    """Where the user's speech ended, as the client measures V2V from: the send time (epoch us) of the last frame
+    with speech energy sent no later than one frame after where the server's VAD put the end (background noise
+    in the pause after it is not speech); the server's own time when no such frame was sent.
+
+    `sent` holds (send time epoch us, is speech per `speech_frames`) of each frame sent, in order."""
+    limit_us = server_speech_end_us + FRAME_MS * 1000
+    spoken = [sent_us for sent_us, is_speech in sent if is_speech and sent_us <= limit_us]
+    return spoken[-1] if spoken else server_speech_end_us
+
+
 @dataclass
 class TalkTurn:
     turn_index: int
@@ -227,19 +238,33 @@ class TalkTurn:
             return None
         return (self.first_audio_received_us - self.speech_end_sent_us) / 1000
 
+    @property
+    def _server(self) -> conversation_pb2.TurnMetrics:
+        return self.metrics.server if self.metrics else conversation_pb2.TurnMetrics()
+
+    @property
+    def stages_ms(self) -> dict[str, float]:
+        """Every stage of the turn, to 0.1 ms: the gateway's own, and the downlink as this client measured it."""
+        return {
+            **{name: round(value_ms, 1) for name, value_ms in stages.server_stages_ms(self._server).items()},
+            "downlink": round(self.metrics.downlink_ms, 1) if self.metrics else 0.0,
+        }
+
+    @property
+    def server_v2v_ms(self) -> float:
+        """V2V as the gateway measured it, to 0.1 ms (0 before its metrics arrive)."""
+        return round(self._server.v2v_ms, 1)
+
     def as_dict(self) -> dict[str, object]:
-        server = self.metrics.server if self.metrics else conversation_pb2.TurnMetrics()
+        server = self._server
         return {
             "turn": self.turn_index,
             "user": self.user_text,
             "reply": self.reply_text,
             "interrupted": self.interrupted,
             "v2v_ms": None if self.v2v_ms is None else round(self.v2v_ms, 1),
-            "stages_ms": {
-                **{name: round(value_ms, 1) for name, value_ms in stages.server_stages_ms(server).items()},
-                "downlink": round(self.metrics.downlink_ms, 1) if self.metrics else 0.0,
-            },
-            "server_v2v_ms": round(server.v2v_ms, 1),
+            "stages_ms": self.stages_ms,
+            "server_v2v_ms": self.server_v2v_ms,
             "speculative_used": server.speculative_used,
             "speculative_discarded": server.speculative_discarded,
             "llm_replica": server.llm_replica,
@@ -276,15 +301,15 @@ async def talk(
             mixed = np.frombuffer(frames[start + index], "<i2").astype(np.int32) + np.frombuffer(data, "<i2")
             frames[start + index] = np.clip(mixed, -32768, 32767).astype("<i2").tobytes()
     is_speech = speech_frames(frames)
-    sent_us: list[int] = []
+    sent: list[tuple[int, bool]] = []  # (send time epoch us, is speech) of each frame
     turns: dict[int, TalkTurn] = {}
     audio = bytearray()
     events: list[Event] = []
     async with ConversationClient(target, cfg) as client:
 
         async def stream() -> None:
-            async for _, data in paced(frames):
-                sent_us.append(epoch_us())
+            async for index, data in paced(frames):
+                sent.append((epoch_us(), is_speech[index]))
                 client.send(data)
             client.close()
 
@@ -307,11 +332,7 @@ async def talk(
                     record.interrupted = True
                 elif isinstance(event, TurnMetrics):
                     record.metrics = event
-                    # End of speech: the last frame with speech energy sent no later than where the server's
-                    # VAD put the end (background noise in the pause after it is not speech).
-                    limit = event.server.speech_end_capture_us + FRAME_MS * 1000
-                    spoken = [t for t, speech in zip(sent_us, is_speech, strict=False) if speech and t <= limit]
-                    record.speech_end_sent_us = spoken[-1] if spoken else event.server.speech_end_capture_us
+                    record.speech_end_sent_us = speech_end_sent_us(sent, event.server.speech_end_capture_us)
         finally:
             sender.cancel()
     return [turns[k] for k in sorted(turns) if turns[k].user_text], bytes(audio), events

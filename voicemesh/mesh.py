@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from voicemesh.serving import health_check
 
+STAGES = ("asr", "llm", "tts")
 DEFAULT_PORTS = {"asr": 50061, "llm": 50062, "tts": 50063, "gateway": 50051}
 
 
@@ -69,6 +70,13 @@ class Mesh:
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log_file:
             return subprocess.Popen(argv, env={**os.environ, **(env or {})}, stderr=log_file)
+
+    def start_local(self, ports: Mapping[str, int], http_port: int, gateway_args: Sequence[str] = ()) -> None:
+        """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none)."""
+        for name in STAGES:
+            self.start(name, ports[name])
+        targets = [f"--{name}-target=127.0.0.1:{ports[name]}" for name in STAGES]
+        self.start("gateway", ports["gateway"], [*targets, f"--http-port={http_port}", *gateway_args])
 
     def restart(self, name: str) -> Process:
         """Start a stopped or killed service again with the same arguments."""
@@ -128,11 +136,8 @@ def free_port() -> int:
 def local_mesh(log_prefix: str = "voicemesh-") -> Iterator[str]:
     """ASR, LLM, TTS and a gateway (no browser doors) as processes on free loopback ports; yields the gateway."""
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
-    ports = {name: free_port() for name in ("asr", "llm", "tts", "gateway")}
-    for name in ("asr", "llm", "tts"):
-        mesh.start(name, ports[name])
-    targets = [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")]
-    mesh.start("gateway", ports["gateway"], [*targets, "--http-port=-1"])
+    ports = {name: free_port() for name in DEFAULT_PORTS}
+    mesh.start_local(ports, http_port=-1)
     try:
         asyncio.run(mesh.wait(timeout_s=240))
         yield f"127.0.0.1:{ports['gateway']}"

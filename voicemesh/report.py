@@ -10,14 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-from voicemesh.loadstats import summarize
+from voicemesh.loadstats import Summary, summarize
 from voicemesh.stages import SPAN_NAMES
 
 
@@ -64,17 +65,27 @@ class SpanCollector(trace_service_pb2_grpc.TraceServiceServicer):
         self.arrived = asyncio.Event()
 
     async def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: grpc.aio.ServicerContext
+        self,
+        request: trace_service_pb2.ExportTraceServiceRequest,
+        context: grpc.aio.ServicerContext[
+            trace_service_pb2.ExportTraceServiceRequest, trace_service_pb2.ExportTraceServiceResponse
+        ],
     ) -> trace_service_pb2.ExportTraceServiceResponse:
         self.spans += records_from_otlp(request)
         self.arrived.set()
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
+# The generated gRPC module has no annotations; this is the signature it has.
+_add_servicer: Callable[[SpanCollector, grpc.aio.Server], None] = (
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server
+)
+
+
 async def start_collector(address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int, SpanCollector]:
     collector = SpanCollector()
     server = grpc.aio.server()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(collector, server)
+    _add_servicer(collector, server)
     port = server.add_insecure_port(address)
     await server.start()
     return server, port, collector
@@ -98,20 +109,38 @@ def turn_table(spans: list[dict[str, Any]]) -> list[dict[str, float]]:
     return rows
 
 
-def summarize_turns(spans: list[dict[str, Any]]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class SpanReport:
+    """What `voicemesh report` prints: V2V and each span's duration over the answered turns."""
+
+    turns: int
+    v2v_ms: Summary
+    stages_ms: dict[str, Summary]
+    """By span name (`SPAN_NAMES`)."""
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "turns": self.turns,
+            "v2v_ms": self.v2v_ms.to_json(),
+            "stages_ms": {name: summary.to_json() for name, summary in self.stages_ms.items()},
+        }
+
+
+def summarize_turns(spans: list[dict[str, Any]]) -> SpanReport:
     rows = turn_table(spans)
-    return {
-        "turns": len(rows),
-        "v2v_ms": summarize([r["v2v"] for r in rows]),
-        "stages_ms": {stage: summarize([r[stage] for r in rows if stage in r]) for stage in SPAN_NAMES},
-    }
+    return SpanReport(
+        turns=len(rows),
+        v2v_ms=summarize([r["v2v"] for r in rows]),
+        stages_ms={stage: summarize([r[stage] for r in rows if stage in r]) for stage in SPAN_NAMES},
+    )
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    lines = [f"{summary['turns']} turns", f"{'stage':<18}{'count':>7}{'p50':>9}{'p95':>9}{'p99':>9}{'max':>9}  (ms)"]
-    for name, stats in [("v2v", summary["v2v_ms"]), *summary["stages_ms"].items()]:
-        cells = [f"{stats[k]:>9.1f}" if stats[k] is not None else f"{'-':>9}" for k in ("p50", "p95", "p99", "max")]
-        lines.append(f"{name:<18}{stats['count']:>7}{''.join(cells)}")
+def format_table(report: SpanReport) -> str:
+    lines = [f"{report.turns} turns", f"{'stage':<18}{'count':>7}{'p50':>9}{'p95':>9}{'p99':>9}{'max':>9}  (ms)"]
+    for name, stats in [("v2v", report.v2v_ms), *report.stages_ms.items()]:
+        values = (stats.p50, stats.p95, stats.p99, stats.max)
+        cells = [f"{value:>9.1f}" if value is not None else f"{'-':>9}" for value in values]
+        lines.append(f"{name:<18}{stats.count:>7}{''.join(cells)}")
     return "\n".join(lines)
 
 

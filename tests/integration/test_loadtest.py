@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import gc
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,9 +13,9 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from tests.conftest import SHARED_AUDIO, free_port, load_clip
+from tests.conftest import clip_path, free_port
 from voicemesh import cli
-from voicemesh.loadtest import LoadTestOptions, loadtest, run_loadtest
+from voicemesh.loadtest import LoadTestOptions, LoadTestReport, loadtest, run_loadtest
 from voicemesh.stages import STAGE_NAMES
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 
@@ -22,7 +23,10 @@ pytestmark = pytest.mark.integration
 
 CLIPS = ("spk1_snt1", "spk2_snt1")
 REPORT_KEYS = {
+    "kind",
     "config",
+    "started_at_us",
+    "machine",
     "wall_s",
     "turns",
     "throughput",
@@ -37,28 +41,27 @@ REPORT_KEYS = {
 
 
 def clip_paths() -> tuple[str, ...]:
-    for name in CLIPS:
-        load_clip(name)  # skips the test where ../shared/audio is absent
-    return tuple(str(SHARED_AUDIO / f"{name}.wav") for name in CLIPS)
+    return tuple(str(clip_path(name)) for name in CLIPS)
 
 
-def assert_complete(report: dict, out_dir: Path, sessions: int, turns: int) -> None:
-    """Every key, both files, and every planned turn either ok with a V2V or failed with a status."""
-    assert REPORT_KEYS <= set(report)
+def assert_complete(report: LoadTestReport, out_dir: Path, sessions: int, turns: int) -> None:
+    """Every key, both files, every planned turn either ok with a V2V or failed with a status, counts that agree."""
     saved = json.loads((out_dir / "loadtest.json").read_text())
-    assert saved["turns"] == report["turns"] and len(saved["per_turn"]) == sessions * turns
+    assert set(saved) == REPORT_KEYS
+    assert saved == json.loads(json.dumps(report.to_json()))
     html = (out_dir / "loadtest.html").read_text()
     assert html.count("<svg") == 3
-    counts = report["turns"]
-    assert counts["planned"] == sessions * turns
-    assert counts["ok"] + counts["failed"] + counts["not_started"] == counts["planned"]
-    for turn in report["per_turn"]:
-        if turn["ok"]:
-            assert turn["v2v_ms"] is not None and turn["v2v_ms"] > 0, turn
-            assert set(turn["stages_ms"]) == set(STAGE_NAMES)
+    assert [(t.session, t.turn) for t in report.per_turn] == [(s, n) for s in range(sessions) for n in range(turns)]
+    for turn in report.per_turn:
+        if turn.ok:
+            assert turn.v2v_ms is not None and turn.v2v_ms > 0, turn
+            assert set(turn.stages_ms) == set(STAGE_NAMES)
         else:
-            assert turn["status"] and turn["status"] != "OK" and turn["v2v_ms"] is None, turn
-    assert sum(counts["failed_by_error"].values()) == counts["failed"]
+            assert turn.status not in ("", "OK") and turn.v2v_ms is None, turn
+    counts, statuses = report.turns, Counter(turn.status for turn in report.per_turn)
+    assert counts.planned == sessions * turns
+    assert (counts.ok, counts.not_started) == (statuses["OK"], statuses["NOT_STARTED"])
+    assert counts.failed_by_error == {s: n for s, n in statuses.items() if s not in ("OK", "NOT_STARTED")}
 
 
 @pytest_asyncio.fixture(loop_scope="session")
@@ -83,17 +86,21 @@ async def test_two_sessions_of_two_turns_against_the_real_mesh(gateway: str, tmp
     options = LoadTestOptions(target=gateway, sessions=2, turns=2, audio=clip_paths(), ramp_s=0.5, duration_s=120)
     report = await loadtest(options, tmp_path)
     assert_complete(report, tmp_path, sessions=2, turns=2)
-    assert report["turns"]["ok"] == 4, report["turns"]
-    assert report["v2v_ms"]["count"] == 4
-    assert report["v2v_ms"]["p50"] <= report["v2v_ms"]["p95"] <= report["v2v_ms"]["p99"] <= report["v2v_ms"]["max"]
+    assert report.turns.ok == 4, report.turns
+    v2v = report.v2v_ms
+    assert v2v.count == 4 and v2v.p50 and v2v.p95 and v2v.p99 and v2v.max
+    assert v2v.p50 <= v2v.p95 <= v2v.p99 <= v2v.max
     for stage in ("endpoint", "asr_compute", "llm_first_token", "tts_first_audio"):
-        assert report["stages_ms"][stage]["p50"] > 0, stage
+        p50 = report.stages_ms[stage].p50
+        assert p50 is not None and p50 > 0, stage
     # Both sessions were live at once, and each spoke its clips in turn with a reply to each.
-    assert max(count for _, count in report["live_sessions"]) == 2
-    for turn in report["per_turn"]:
-        assert turn["user"] and turn["reply"] and not turn["interrupted"]
-        assert turn["first_audio_s"] > turn["speech_end_s"]
-    said = {(t["session"], t["turn"]): t["clip"] for t in report["per_turn"]}
+    assert max(count for _, count in report.live_sessions) == 2
+    assert report.throughput.sessions_completed == 2
+    for turn in report.per_turn:
+        assert turn.user and turn.reply and not turn.interrupted
+        assert turn.first_audio_s is not None and turn.speech_end_s is not None
+        assert turn.first_audio_s > turn.speech_end_s
+    said = {(t.session, t.turn): t.clip for t in report.per_turn}
     assert said[(0, 0)] != said[(1, 0)], "sessions start on different clips"
 
 
@@ -101,9 +108,10 @@ async def test_an_unreachable_target_gives_failed_turns_with_their_status(tmp_pa
     options = LoadTestOptions(target=f"127.0.0.1:{free_port()}", sessions=2, turns=3, audio=clip_paths(), ramp_s=0)
     report = await loadtest(options, tmp_path)
     assert_complete(report, tmp_path, sessions=2, turns=3)
-    assert report["turns"]["ok"] == 0
-    assert report["turns"]["failed_by_error"] == {"UNAVAILABLE": 6}
-    assert report["v2v_ms"]["p99"] is None
+    assert report.turns.ok == 0
+    assert report.turns.failed_by_error == {"UNAVAILABLE": 6}
+    assert report.v2v_ms.count == 0 and report.v2v_ms.p99 is None
+    assert report.throughput.sessions_completed == 0
 
 
 def test_the_command_on_an_unreachable_target_exits_non_zero_without_a_traceback(
@@ -179,9 +187,8 @@ async def test_a_failing_gateway_gives_failed_turns_with_their_status(
     finally:
         await server.stop(0)
     assert_complete(report, tmp_path, sessions=2, turns=2)
-    assert report["turns"]["failed_by_error"] == statuses
-    details = {turn["detail"] for turn in report["per_turn"]}
-    assert all(details), "each failed turn says why"
+    assert report.turns.failed_by_error == statuses
+    assert all(turn.detail for turn in report.per_turn), "each failed turn says why"
 
 
 async def test_the_duration_limit_stops_the_test_and_fails_what_was_running(tmp_path: Path) -> None:
@@ -203,14 +210,15 @@ async def test_the_duration_limit_stops_the_test_and_fails_what_was_running(tmp_
     finally:
         await server.stop(0)
     assert_complete(report, tmp_path, sessions=1, turns=3)
-    assert report["turns"]["failed_by_error"] == {"DURATION_LIMIT": 1}
-    assert report["turns"]["not_started"] == 2
+    assert report.turns.failed_by_error == {"DURATION_LIMIT": 1}
+    assert report.turns.not_started == 2
 
 
-def test_run_loadtest_returns_a_json_serialisable_dict(tmp_path: Path) -> None:
+def test_run_loadtest_returns_a_report_that_serialises_to_json() -> None:
     options = LoadTestOptions(target=f"127.0.0.1:{free_port()}", sessions=1, turns=1, audio=clip_paths())
     report = run_loadtest(options)
-    assert json.loads(json.dumps(report))["turns"]["failed_by_error"] == {"UNAVAILABLE": 1}
+    assert report.files is None
+    assert json.loads(json.dumps(report.to_json()))["turns"]["failed_by_error"] == {"UNAVAILABLE": 1}
 
 
 class AbortingGateway(conversation_pb2_grpc.ConversationServicer):

@@ -121,8 +121,10 @@ def test_report_percentiles_on_a_known_span_set() -> None:
         }
     )
     summary = report.summarize_turns(spans)
-    assert summary["turns"] == 100  # the discarded speculative turn is not a turn
-    assert summary["v2v_ms"]["p50"] == 50.5 and summary["v2v_ms"]["p99"] == 99.0 and summary["v2v_ms"]["max"] == 100.0
-    assert summary["stages_ms"]["llm.queue"]["p95"] == 9.5
-    assert summary["stages_ms"]["downlink"]["count"] == 0
-    assert "llm.queue" in report.format_table(summary)
+    assert summary.turns == 100  # the discarded speculative turn is not a turn
+    assert (summary.v2v_ms.p50, summary.v2v_ms.p99, summary.v2v_ms.max) == (50.5, 99.0, 100.0)
+    assert summary.stages_ms["llm.queue"].p95 == 9.5
+    assert summary.stages_ms["downlink"].count == 0
+    assert set(summary.to_json()) == {"turns", "v2v_ms", "stages_ms"}
+    table = report.format_table(summary)
+    assert "100 turns" in table and "llm.queue" in table

@@ -1,8 +1,11 @@
-"""The load-test harness without a mesh: percentile math on known data, capacity and queue growth, options, HTML."""
+"""The load-test harness without a mesh: summaries, capacity and queue growth, options, clips, the report's JSON
+keys, the HTML pages, the speech-end rule and the pacing shared with `talk`."""
 
 from __future__ import annotations
 
-import random
+import argparse
+import dataclasses
+import json
 import wave
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -10,73 +13,120 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from voicemesh import loadstats, report_html
-from voicemesh.loadtest import (
-    LoadTestError,
-    LoadTestOptions,
-    check_options,
+from voicemesh import clients
+from voicemesh.conversation import speech_end_sent_us
+from voicemesh.loadstats import Summary, summarize
+from voicemesh.loadtest import LoadTestError, LoadTestOptions, check_options, is_loopback, load_clips
+from voicemesh.loadtest.capacity import capacity, queue_growth, verdict
+from voicemesh.loadtest.cli import options_from_args, parse_levels
+from voicemesh.loadtest.html_report import nice_ticks, render_report, render_sweep
+from voicemesh.loadtest.report import (
+    LoadTestReport,
+    Machine,
+    ReportFiles,
+    SessionRow,
+    SweepLevel,
+    SweepResult,
+    TurnRow,
+    build_report,
     format_summary,
-    is_loopback,
-    load_clips,
-    parse_levels,
+    live_sessions,
 )
 from voicemesh.stages import QUEUE_STAGES, STAGE_NAMES
 
+REPORT_KEYS = {
+    "kind",
+    "config",
+    "started_at_us",
+    "wall_s",
+    "machine",
+    "turns",
+    "throughput",
+    "percentile_method",
+    "v2v_ms",
+    "stages_ms",
+    "live_sessions",
+    "sessions",
+    "per_turn",
+    "files",
+}
+TURN_KEYS = {
+    "session",
+    "turn",
+    "clip",
+    "status",
+    "ok",
+    "detail",
+    "v2v_ms",
+    "server_v2v_ms",
+    "stages_ms",
+    "clip_start_s",
+    "clip_end_s",
+    "speech_end_s",
+    "first_audio_s",
+    "user",
+    "reply",
+    "interrupted",
+    "extra_server_turns",
+    "errors",
+}
+SUMMARY_KEYS = {"count", "p50", "p95", "p99", "max", "mean"}
+LEVEL_KEYS = {
+    "sessions",
+    "within_budget",
+    "v2v_p50_ms",
+    "v2v_p95_ms",
+    "v2v_p99_ms",
+    "v2v_max_ms",
+    "turns_ok",
+    "turns_failed",
+    "failed_by_error",
+    "ok_turns_per_min",
+    "queue_medians_ms",
+    "stage_p99_ms",
+    "report",
+}
 
-@pytest.mark.parametrize(
-    ("values", "q", "expected"),
-    [
-        ([15, 20, 35, 40, 50], 50, 35),
-        ([15, 20, 35, 40, 50], 40, 29),  # rank 1.6: 20 + 0.6 * 15
-        ([15, 20, 35, 40, 50], 0, 15),
-        ([15, 20, 35, 40, 50], 100, 50),
-        ([1, 2, 3, 4], 50, 2.5),
-        ([1, 2, 3, 4], 75, 3.25),
-        (list(range(1, 101)), 95, 95.05),
-        (list(range(1, 101)), 99, 99.01),
-        ([7], 99, 7),
-        ([3, 1, 2], 50, 2),  # unsorted input
-    ],
-)
-def test_percentile_interpolates_linearly_between_closest_ranks(values: list[float], q: float, expected: float) -> None:
-    assert loadstats.percentile(values, q) == pytest.approx(expected)
+
+def test_summarize_interpolates_percentiles_linearly_between_closest_ranks() -> None:
+    # p95 of 5 values is at rank 3.8: 400 + 0.8 * (1000 - 400); p99 at rank 3.96.
+    summary = summarize([100.0, 200.0, 300.0, 1000.0, 400.0])
+    assert summary == Summary(count=5, p50=300.0, p95=880.0, p99=976.0, max=1000.0, mean=400.0)
+    assert summarize([7.0]) == Summary(count=1, p50=7.0, p95=7.0, p99=7.0, max=7.0, mean=7.0)
 
 
-def test_percentile_matches_numpys_default_method_on_random_data() -> None:
-    rng = random.Random(7)
-    for size in (2, 3, 10, 57, 1000):
-        values = [rng.lognormvariate(6, 0.5) for _ in range(size)]
-        for q in (1, 50, 90, 95, 99, 99.9):
-            assert loadstats.percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
-
-
-def test_percentile_refuses_no_values_and_q_outside_0_100() -> None:
-    with pytest.raises(ValueError, match="no values"):
-        loadstats.percentile([], 50)
-    with pytest.raises(ValueError, match="outside"):
-        loadstats.percentile([1.0], 101)
-
-
-def test_summarize_known_data_and_empty() -> None:
-    summary = loadstats.summarize([100.0, 200.0, 300.0, 400.0, 1000.0])
-    assert summary == {"count": 5, "p50": 300.0, "p95": 880.0, "p99": 976.0, "max": 1000.0, "mean": 400.0}
-    assert loadstats.summarize([]) == {"count": 0, "p50": None, "p95": None, "p99": None, "max": None, "mean": None}
+def test_summarize_no_values_and_its_json() -> None:
+    assert summarize([]).to_json() == dict.fromkeys(SUMMARY_KEYS, None) | {"count": 0}
+    assert set(summarize([1.0, 2.0]).to_json()) == SUMMARY_KEYS
 
 
 def test_live_sessions_counts_overlapping_spans() -> None:
-    steps = loadstats.live_sessions([(0.0, 10.0), (1.0, 5.0), (5.0, 8.0)])
+    steps = live_sessions([(0.0, 10.0), (1.0, 5.0), (5.0, 8.0)])
     assert steps == [(0.0, 1), (1.0, 2), (5.0, 2), (8.0, 1), (10.0, 0)]
 
 
-def _level(sessions: int, within: bool, **queues: float) -> dict[str, object]:
-    medians = dict.fromkeys(QUEUE_STAGES, 1.0) | queues
-    return {"sessions": sessions, "within_budget": within, "queue_medians_ms": medians}
+def _level(sessions: int, within: bool, report: ReportFiles | None = None, **queues: float) -> SweepLevel:
+    return SweepLevel(
+        sessions=sessions,
+        within_budget=within,
+        v2v_p50_ms=600.0,
+        v2v_p95_ms=700.0,
+        v2v_p99_ms=710.0 + sessions,
+        v2v_max_ms=720.0,
+        turns_ok=2 * sessions,
+        turns_failed=0,
+        failed_by_error={},
+        ok_turns_per_min=6.0,
+        queue_medians_ms=dict.fromkeys(QUEUE_STAGES, 1.0) | queues,
+        stage_p99_ms=dict.fromkeys(STAGE_NAMES, 5.0),
+        report=report,
+    )
 
 
 def test_capacity_is_the_last_consecutive_level_within_budget() -> None:
-    assert loadstats.capacity([_level(1, True), _level(2, True), _level(4, False), _level(8, True)]) == 2
-    assert loadstats.capacity([_level(4, True), _level(1, True)]) == 4
-    assert loadstats.capacity([_level(1, False), _level(2, True)]) == 0
+    assert capacity([_level(1, True), _level(2, True), _level(4, False), _level(8, True)]) == 2
+    assert capacity([_level(4, True), _level(1, True)]) == 4
+    assert capacity([_level(1, False), _level(2, True)]) == 0
 
 
 def test_queue_growth_names_the_first_stage_past_the_threshold() -> None:
@@ -86,15 +136,22 @@ def test_queue_growth_names_the_first_stage_past_the_threshold() -> None:
         _level(4, False, llm_queue=400.0, gateway_hold=60.0),
         _level(8, False, llm_queue=900.0, asr_queue=2000.0),
     ]
-    growth = loadstats.queue_growth(levels, threshold_ms=25.0)
-    assert growth["stage"] == "llm_queue"
-    assert growth["at_sessions"] == 4 and growth["grew_ms"] == 399.0 and growth["baseline_sessions"] == 1
-    assert growth["growth_ms"]["8"]["asr_queue"] == 1999.0  # type: ignore[index]
+    growth = queue_growth(levels, threshold_ms=25.0)
+    assert growth.stage == "llm_queue"
+    assert growth.at_sessions == 4 and growth.grew_ms == 399.0 and growth.baseline_sessions == 1
+    assert growth.growth_ms["2"]["tts_queue"] == 11.0 and growth.growth_ms["8"]["asr_queue"] == 1999.0
+    text = verdict(levels, capacity(levels), 1500.0, growth)
+    assert text.startswith("2 session(s) within budget: p99 V2V 712.0 ms <= 1500 ms")
+    assert "llm_queue grew first: +399.0 ms median at 4 sessions vs 1" in text
 
 
 def test_queue_growth_with_nothing_growing_or_one_level() -> None:
-    assert loadstats.queue_growth([_level(1, True), _level(2, True, llm_queue=5.0)])["stage"] is None
-    assert loadstats.queue_growth([_level(1, True)])["stage"] is None
+    levels = [_level(1, True), _level(2, False, llm_queue=5.0)]
+    growth = queue_growth(levels)
+    assert growth.stage is None and growth.growth_ms == {"2": dict.fromkeys(QUEUE_STAGES, 0.0) | {"llm_queue": 4.0}}
+    assert verdict(levels, 1, 1500.0, growth).endswith("; no queue median grew by more than 25 ms")
+    alone = queue_growth([_level(1, True)])
+    assert alone.stage is None and alone.baseline_sessions is None and alone.growth_ms == {}
 
 
 @pytest.mark.parametrize(
@@ -139,12 +196,26 @@ def test_ws_transport_is_reported_unavailable(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("fields", "words"),
-    [({"sessions": 0}, "sessions=0"), ({"turns": 1000}, "turns=1000"), ({"audio": ()}, "no audio")],
+    [
+        ({"sessions": 0}, "sessions=0"),
+        ({"turns": 1000}, "turns=1000"),
+        ({"audio": ()}, "no audio"),
+        ({"transport": "udp"}, "use one of grpc, ws"),
+        ({"pause_s": (2.0, 1.0)}, "0 <= low <= high"),
+    ],
 )
 def test_options_out_of_bounds_are_refused(tmp_path: Path, fields: dict[str, object], words: str) -> None:
     options = LoadTestOptions(audio=(str(_wav(tmp_path / "a.wav")),))
     with pytest.raises(LoadTestError, match=words):
-        check_options(LoadTestOptions(**(options.__dict__ | fields)))
+        check_options(dataclasses.replace(options, **fields))
+
+
+def test_flags_left_out_keep_the_options_defaults() -> None:
+    flags = dict.fromkeys(("target", "sessions", "turns", "transport", "ramp_s", "duration_s", "turn_timeout_s"))
+    args = argparse.Namespace(**flags, audio=["a.wav"], allow_remote=False)
+    assert options_from_args(args) == LoadTestOptions(audio=("a.wav",))
+    args.sessions, args.ramp_s = 8, 0.0
+    assert options_from_args(args) == LoadTestOptions(audio=("a.wav",), sessions=8, ramp_s=0.0)
 
 
 def test_clips_from_a_directory_are_sorted_and_trimmed_after_the_speech(tmp_path: Path) -> None:
@@ -176,63 +247,146 @@ def test_parse_levels() -> None:
             parse_levels(bad)
 
 
-def _report(ok_v2v: list[float], failed: int) -> dict[str, object]:
-    """A report as build_report shapes it, from made-up turns."""
-    turns = [
-        {
-            "session": i % 2,
-            "turn": i // 2,
-            "clip": "spk1_snt1",
-            "status": "OK",
-            "ok": True,
-            "detail": "",
-            "v2v_ms": v2v,
-            "server_v2v_ms": v2v - 5,
-            "stages_ms": dict.fromkeys(STAGE_NAMES, v2v / 20),
-            "clip_start_s": i * 2.0,
-            "clip_end_s": i * 2.0 + 1.5,
-            "speech_end_s": i * 2.0 + 1.4,
-            "first_audio_s": i * 2.0 + 1.4 + v2v / 1000,
-            "user": "The child almost hurt the small dog.",
-            "reply": "<oh no>",
-        }
-        for i, v2v in enumerate(ok_v2v)
-    ]
-    turns += [
-        {
-            "session": 9,
-            "turn": k,
-            "clip": "x",
-            "status": "UNAVAILABLE",
-            "ok": False,
-            "detail": "connection refused",
-            "v2v_ms": None,
-            "server_v2v_ms": None,
-            "stages_ms": {},
-            "clip_start_s": 0.5,
-            "clip_end_s": None,
-            "speech_end_s": None,
-            "first_audio_s": None,
-            "user": "",
-            "reply": "",
-        }
-        for k in range(failed)
-    ]
-    return {
-        "config": {"target": "127.0.0.1:1", "transport": "grpc", "sessions": 2, "turns": 2, "ramp_s": 1.0, "clips": []},
-        "wall_s": 12.5,
-        "turns": {
-            "planned": len(turns),
-            "ok": len(ok_v2v),
-            "failed": failed,
-            "not_started": 0,
-            "failed_by_error": {"UNAVAILABLE": failed} if failed else {},
-        },
-        "throughput": {"ok_turns_per_min": 9.6},
-        "v2v_ms": loadstats.summarize(ok_v2v),
-        "stages_ms": {s: loadstats.summarize([v / 20 for v in ok_v2v]) for s in STAGE_NAMES},
-        "live_sessions": [[0.0, 0], [0.1, 1], [0.6, 2], [11.0, 1], [12.4, 0]],
-        "per_turn": turns,
+def test_speech_ends_at_the_last_speech_frame_sent_up_to_one_frame_past_the_servers_end() -> None:
+    sent = [(1_000_000, True), (1_020_000, True), (1_040_000, False), (1_060_000, True), (1_080_000, False)]
+    assert speech_end_sent_us(sent, server_speech_end_us=1_030_000) == 1_020_000
+    # A frame of noise after the server's end (and more than one frame past it) is not speech.
+    assert speech_end_sent_us(sent, server_speech_end_us=1_039_000) == 1_020_000
+    assert speech_end_sent_us(sent, server_speech_end_us=1_041_000) == 1_060_000
+    assert speech_end_sent_us([(5, False)], server_speech_end_us=1_234) == 1_234
+
+
+def test_pacer_keeps_an_absolute_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    delays: list[float] = []
+
+    async def fake_sleep(seconds: float) -> None:
+        delays.append(round(seconds, 6))
+        now[0] += seconds
+
+    monkeypatch.setattr(clients.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(clients.asyncio, "sleep", fake_sleep)
+
+    async def run() -> None:
+        pacer = clients.Pacer()
+        await pacer.wait()  # frame 0: due now
+        await pacer.wait()  # frame 1: 20 ms later
+        now[0] += 0.015  # the caller took 15 ms: frame 2 (at 40 ms) is due in 5 ms, not 20
+        await pacer.wait()
+        now[0] += 0.1  # far behind: frames go out at once until the schedule is met again
+        await pacer.wait()
+        await pacer.wait()
+
+    with pytest.raises(StopIteration):  # nothing really sleeps, so one step runs it to the end
+        run().send(None)
+    assert delays == [0.02, 0.005]
+
+
+def _turn(session: int, turn: int, v2v_ms: float | None, status: str = "OK", detail: str = "") -> TurnRow:
+    ok = status == "OK"
+    return TurnRow(
+        session=session,
+        turn=turn,
+        clip="spk1_snt1",
+        status=status,
+        ok=ok,
+        detail=detail,
+        v2v_ms=v2v_ms,
+        server_v2v_ms=None if v2v_ms is None else v2v_ms - 5,
+        stages_ms=dict.fromkeys(STAGE_NAMES, v2v_ms / 20) if v2v_ms is not None else {},
+        clip_start_s=turn * 2.0 if status != "NOT_STARTED" else None,
+        clip_end_s=turn * 2.0 + 1.5 if ok else None,
+        speech_end_s=turn * 2.0 + 1.4 if ok else None,
+        first_audio_s=turn * 2.0 + 1.4 + v2v_ms / 1000 if v2v_ms is not None else None,
+        user="The child almost hurt the small dog." if ok else "",
+        reply="<oh no>" if ok else "",
+    )
+
+
+def _report(ok_v2v: list[float], failed: int, not_started: int = 0, out_dir: Path | None = None) -> LoadTestReport:
+    """A report built from made-up turns: the OK ones in sessions 0 and 1, the failed ones in session 2."""
+    turns = [_turn(index % 2, index // 2, v2v) for index, v2v in enumerate(ok_v2v)]
+    turns += [_turn(2, k, None, "UNAVAILABLE", "connection refused") for k in range(failed)]
+    turns += [_turn(2, failed + k, None, "NOT_STARTED") for k in range(not_started)]
+    sessions = [SessionRow(index, f"loadtest-x-{index}", 0.1 * index, 12.0, "") for index in range(3)]
+    return build_report(
+        LoadTestOptions(target="127.0.0.1:1", sessions=3, turns=2, audio=("a.wav",)),
+        [],
+        sessions,
+        turns,
+        started_at_us=1_700_000_000_000_000,
+        wall_s=12.5,
+        files=None if out_dir is None else ReportFiles.under(out_dir, "loadtest"),
+    )
+
+
+def test_report_counts_summarises_and_keeps_its_json_keys(tmp_path: Path) -> None:
+    report = _report([420.0, 510.0, 640.0], failed=2, not_started=1, out_dir=tmp_path)
+    assert dataclasses.asdict(report.turns) == {
+        "planned": 6,
+        "ok": 3,
+        "failed": 2,
+        "not_started": 1,
+        "failed_by_error": {"UNAVAILABLE": 2},
+    }
+    assert report.throughput.sessions_completed == 2 and report.throughput.ok_turns_per_min == 14.4
+    assert report.v2v_ms.count == 3 and report.v2v_ms.p50 == 510.0 and report.stages_ms["upload"].max == 32.0
+    assert report.live_sessions == [(0.0, 1), (0.1, 2), (0.2, 3), (12.0, 0)]
+    assert report.files is not None
+    report.files.write(report.to_json(), render_report(report))
+    saved = json.loads(Path(report.files.json).read_text())
+    assert set(saved) == REPORT_KEYS and saved["kind"] == "voicemesh.loadtest"
+    assert set(saved["config"]) == {f.name for f in dataclasses.fields(LoadTestOptions)} | {"clips"}
+    assert set(saved["turns"]) == {"planned", "ok", "failed", "not_started", "failed_by_error"}
+    assert set(saved["throughput"]) == {"ok_turns_per_min", "sessions_completed"}
+    assert set(saved["machine"]) == {"host", "cpus", "python"}
+    assert set(saved["v2v_ms"]) == SUMMARY_KEYS and set(saved["stages_ms"]) == set(STAGE_NAMES)
+    assert saved["live_sessions"][1] == [0.1, 2]
+    assert set(saved["sessions"][0]) == {"session", "session_id", "started_s", "ended_s", "error"}
+    assert all(set(turn) == TURN_KEYS for turn in saved["per_turn"])
+    assert saved["files"] == {"json": str(tmp_path / "loadtest.json"), "html": str(tmp_path / "loadtest.html")}
+    assert "files" not in _report([420.0], failed=0).to_json()
+
+
+def test_sweep_json_keeps_its_keys() -> None:
+    levels = [_level(1, True, ReportFiles.under("/out/sessions-1", "loadtest")), _level(2, False)]
+    growth = queue_growth(levels)
+    result = SweepResult(
+        target="127.0.0.1:1",
+        transport="grpc",
+        turns_per_session=2,
+        budget_ms=1500.0,
+        levels_requested=[1, 2],
+        levels=levels,
+        capacity_sessions=capacity(levels),
+        first_queue_to_grow=growth,
+        machine=Machine.here(),
+        verdict=verdict(levels, capacity(levels), 1500.0, growth),
+    )
+    data = json.loads(json.dumps(result.to_json()))
+    assert set(data) == {
+        "kind",
+        "target",
+        "transport",
+        "turns_per_session",
+        "budget_ms",
+        "levels_requested",
+        "levels",
+        "capacity_sessions",
+        "first_queue_to_grow",
+        "machine",
+        "verdict",
+    }
+    assert data["kind"] == "voicemesh.sweep" and data["capacity_sessions"] == 1
+    assert all(set(level) == LEVEL_KEYS for level in data["levels"])
+    assert data["levels"][0]["report"]["html"] == "/out/sessions-1/loadtest.html" and data["levels"][1]["report"] == {}
+    assert set(data["first_queue_to_grow"]) == {
+        "stage",
+        "at_sessions",
+        "grew_ms",
+        "threshold_ms",
+        "baseline_sessions",
+        "growth_ms",
     }
 
 
@@ -243,51 +397,46 @@ def _svgs(html: str) -> list[ET.Element]:
 
 
 def test_html_report_has_the_three_charts_and_escapes_text() -> None:
-    html = report_html.render_report(_report([420.0, 510.0, 640.0, 1200.0], failed=2))
-    titles = [svg.find("{http://www.w3.org/2000/svg}title").text for svg in _svgs(html)]  # type: ignore[union-attr]
+    html = render_report(_report([420.0, 510.0, 640.0, 1200.0], failed=2))
+    titles = [svg.findtext("{http://www.w3.org/2000/svg}title") for svg in _svgs(html)]
     assert titles == ["V2V CDF", "V2V over time against live sessions", "Stages stacked at p50, p95, p99"]
     assert "<oh no>" not in html and "&lt;oh no&gt;" in html
     assert "UNAVAILABLE" in html and html.startswith("<!DOCTYPE html>")
+    assert "no completed turns" not in html
 
 
 def test_html_report_with_no_completed_turns_still_renders() -> None:
-    html = report_html.render_report(_report([], failed=3))
-    assert len(_svgs(html)) == 3 and "no completed turns" in html
+    html = render_report(_report([], failed=3))
+    assert len(_svgs(html)) == 3 and html.count("no completed turns to plot") == 2  # the timeline shows failures
 
 
 def test_summary_table_lists_every_stage_and_the_failures() -> None:
     text = format_summary(_report([420.0, 510.0], failed=1))
     assert "V2V" in text and all(stage in text for stage in STAGE_NAMES)
-    assert "UNAVAILABLE x1" in text and "connection refused" in text
+    assert "ms (n=2)" in text and "UNAVAILABLE x1" in text and "connection refused" in text
 
 
 def test_html_sweep_report_links_each_level() -> None:
-    level = {
-        "sessions": 1,
-        "within_budget": True,
-        "turns_ok": 2,
-        "turns_failed": 0,
-        "v2v_p50_ms": 600.0,
-        "v2v_p95_ms": 700.0,
-        "v2v_p99_ms": 710.0,
-        "ok_turns_per_min": 6.0,
-        "queue_medians_ms": dict.fromkeys(QUEUE_STAGES, 1.0),
-        "report": {"html": "/out/sessions-1/loadtest.html"},
-    }
-    result = {
-        "target": "127.0.0.1:1",
-        "transport": "grpc",
-        "turns_per_session": 2,
-        "budget_ms": 1500.0,
-        "levels": [level, level | {"sessions": 2, "report": {"html": "/out/sessions-2/loadtest.html"}}],
-        "verdict": "2 session(s) within budget",
-        "files": {"html": "/out/sweep.html"},
-    }
-    html = report_html.render_sweep(result)
+    levels = [_level(n, True, ReportFiles.under(f"/out/sessions-{n}", "loadtest")) for n in (1, 2)]
+    growth = queue_growth(levels)
+    result = SweepResult(
+        target="127.0.0.1:1",
+        transport="grpc",
+        turns_per_session=2,
+        budget_ms=1500.0,
+        levels_requested=[1, 2],
+        levels=levels,
+        capacity_sessions=2,
+        first_queue_to_grow=growth,
+        machine=Machine.here(),
+        verdict="2 session(s) within budget",
+        files=ReportFiles.under("/out", "sweep"),
+    )
+    html = render_sweep(result)
     assert 'href="sessions-1/loadtest.html"' in html and 'href="sessions-2/loadtest.html"' in html
     assert len(_svgs(html)) == 2
 
 
 def test_nice_ticks_cover_the_range_with_round_steps() -> None:
-    assert report_html.nice_ticks(0, 1234) == [0, 500, 1000, 1500]
-    assert report_html.nice_ticks(0, 1.0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+    assert nice_ticks(0, 1234) == [0, 500, 1000, 1500]
+    assert nice_ticks(0, 1.0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]

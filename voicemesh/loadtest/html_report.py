@@ -7,6 +7,10 @@ import os
 from collections.abc import Mapping, Sequence
 from html import escape
 
+from voicemesh.loadstats import PERCENTILE_METHOD, Summary
+from voicemesh.loadtest.report import NOT_STARTED, LoadTestReport, Machine, SweepResult, TurnRow
+from voicemesh.stages import QUEUE_STAGES
+
 WIDTH, HEIGHT = 760, 320
 LEFT, RIGHT, TOP, BOTTOM = 64, 64, 24, 44
 PALETTE = (
@@ -89,35 +93,33 @@ def _empty(title: str) -> str:
     )
 
 
-def cdf_chart(v2v_ms: Sequence[float], marks_ms: Mapping[str, float | None], budget_ms: float | None = None) -> str:
-    """Empirical CDF of V2V with dashed lines at the given percentiles (and the budget, if any)."""
+def cdf_chart(v2v_ms: Sequence[float], marks_ms: Mapping[str, float | None]) -> str:
+    """Empirical CDF of V2V with dashed lines at the given percentiles."""
     title = "V2V CDF"
     if not v2v_ms:
         return _empty(title)
     ordered = sorted(v2v_ms)
-    plot = _Plot(max(ordered[-1], budget_ms or 0) * 1.05, 1.0, "V2V (ms)", "fraction of turns")
+    plot = _Plot(ordered[-1] * 1.05, 1.0, "V2V (ms)", "fraction of turns")
     points = [f"{plot.x(0):.1f},{plot.y(0):.1f}", f"{plot.x(ordered[0]):.1f},{plot.y(0):.1f}"]
     for index, value in enumerate(ordered):
         points.append(f"{plot.x(value):.1f},{plot.y(index / len(ordered)):.1f}")
         points.append(f"{plot.x(value):.1f},{plot.y((index + 1) / len(ordered)):.1f}")
     plot.parts.append(f'<polyline fill="none" stroke="{PALETTE[0]}" stroke-width="2" points="{" ".join(points)}"/>')
-    lines = [(name, value, "#555") for name, value in marks_ms.items() if value is not None]
-    if budget_ms is not None:
-        lines.append(("budget", budget_ms, "#c0392b"))
-    for row, (name, value, color) in enumerate(lines):
+    marks = [(name, value) for name, value in marks_ms.items() if value is not None]
+    for row, (name, value) in enumerate(marks):
         x = plot.x(value)
         plot.parts.append(
-            f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{HEIGHT - BOTTOM}" stroke="{color}" stroke-dasharray="4 3"/>'
+            f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{HEIGHT - BOTTOM}" stroke="#555" stroke-dasharray="4 3"/>'
             f'<text x="{x + 3:.1f}" y="{TOP + 12 + 13 * row}">{escape(name)} {value:.0f}</text>'
         )
     return plot.svg(title)
 
 
-def timeline_chart(turns: Sequence[Mapping[str, object]], live: Sequence[Sequence[float]], wall_s: float) -> str:
+def timeline_chart(turns: Sequence[TurnRow], live: Sequence[tuple[float, int]], wall_s: float) -> str:
     """V2V of each turn at the moment its speech ended, failed turns as red crosses, live sessions on the right."""
     title = "V2V over time against live sessions"
-    ok = [(float(t["speech_end_s"]), float(t["v2v_ms"])) for t in turns if t["ok"] and t["v2v_ms"] is not None]  # type: ignore[arg-type]
-    failed = [t for t in turns if not t["ok"] and t["status"] != "NOT_STARTED"]
+    ok = [(t.speech_end_s, t.v2v_ms) for t in turns if t.ok and t.speech_end_s is not None and t.v2v_ms is not None]
+    failed = [t for t in turns if not t.ok and t.status != NOT_STARTED]
     if not ok and not failed:
         return _empty(title)
     plot = _Plot(max(wall_s, 1.0), max([v for _, v in ok], default=1.0) * 1.1, "time since start (s)", "V2V (ms)")
@@ -127,13 +129,13 @@ def timeline_chart(turns: Sequence[Mapping[str, object]], live: Sequence[Sequenc
             f"<title>{time_s:.1f} s: {v2v:.0f} ms</title></circle>"
         )
     for turn in failed:
-        time_s = float(turn["clip_end_s"] or turn["clip_start_s"] or 0.0)  # type: ignore[arg-type]
+        time_s = turn.clip_end_s or turn.clip_start_s or 0.0
         x, y = plot.x(min(time_s, plot.x_max)), plot.y(0) - 6
         plot.parts.append(
             f'<path d="M{x - 4:.1f},{y - 4:.1f} l8,8 m0,-8 l-8,8" stroke="#c0392b" stroke-width="2">'
-            f"<title>session {turn['session']} turn {turn['turn']}: {escape(str(turn['status']))}</title></path>"
+            f"<title>session {turn.session} turn {turn.turn}: {escape(turn.status)}</title></path>"
         )
-    peak = max((int(count) for _, count in live), default=0)
+    peak = max((count for _, count in live), default=0)
     if peak:
         axis = nice_ticks(0, peak, min(peak, 5))
         top = axis[-1]
@@ -144,9 +146,7 @@ def timeline_chart(turns: Sequence[Mapping[str, object]], live: Sequence[Sequenc
         steps: list[str] = []
         for index, (time_s, count) in enumerate(live):
             end_s = live[index + 1][0] if index + 1 < len(live) else plot.x_max
-            steps.append(
-                f"{plot.x(float(time_s)):.1f},{live_y(count):.1f} {plot.x(float(end_s)):.1f},{live_y(count):.1f}"
-            )
+            steps.append(f"{plot.x(time_s):.1f},{live_y(count):.1f} {plot.x(end_s):.1f},{live_y(count):.1f}")
         plot.parts.append(
             f'<polyline fill="none" stroke="{PALETTE[1]}" stroke-width="1.5" points="{" ".join(steps)}"/>'
         )
@@ -159,23 +159,22 @@ def timeline_chart(turns: Sequence[Mapping[str, object]], live: Sequence[Sequenc
     return plot.svg(title)
 
 
-def stacked_stages_chart(
-    stages_ms: Mapping[str, Mapping[str, float | None]], v2v_ms: Mapping[str, float | None]
-) -> str:
+def stacked_stages_chart(stages_ms: Mapping[str, Summary], v2v_ms: Summary) -> str:
     """One bar per percentile, stacked from each stage's own value at it, with V2V at that percentile marked."""
     title = "Stages stacked at p50, p95, p99"
-    keys = [key for key in ("p50", "p95", "p99") if v2v_ms.get(key) is not None]
-    if not keys:
+    v2v_at = {key: value for key, value in v2v_ms.percentiles().items() if value is not None}
+    if not v2v_at:
         return _empty(title)
-    totals = [sum(float(s[key] or 0) for s in stages_ms.values()) for key in keys]
-    y_max = max([*totals, *(float(v2v_ms[key] or 0) for key in keys)]) * 1.1
+    stage_at = {stage: summary.percentiles() for stage, summary in stages_ms.items()}
+    totals = [sum(at[key] or 0.0 for at in stage_at.values()) for key in v2v_at]
+    y_max = max([*totals, *v2v_at.values()]) * 1.1
     plot = _Plot(1.0, y_max, "", "milliseconds", x_ticks=False)
     bar_w = 90
-    for column, key in enumerate(keys):
+    for column, (key, v2v) in enumerate(v2v_at.items()):
         x = LEFT + 60 + column * 150
         base = 0.0
-        for color, (stage, summary) in zip(PALETTE, stages_ms.items(), strict=False):
-            value = float(summary[key] or 0)
+        for color, (stage, at) in zip(PALETTE, stage_at.items(), strict=False):
+            value = at[key] or 0.0
             if value <= 0:
                 continue
             y_top, y_bottom = plot.y(base + value), plot.y(base)
@@ -184,10 +183,10 @@ def stacked_stages_chart(
                 f"<title>{escape(stage)} {key}: {value:.1f} ms</title></rect>"
             )
             base += value
-        v2v_y = plot.y(float(v2v_ms[key] or 0))
+        v2v_y = plot.y(v2v)
         plot.parts.append(
             f'<line x1="{x - 8}" y1="{v2v_y:.1f}" x2="{x + bar_w + 8}" y2="{v2v_y:.1f}" stroke="#111" stroke-width="2"/>'
-            f'<text x="{x + bar_w / 2}" y="{v2v_y - 5:.1f}" text-anchor="middle">V2V {float(v2v_ms[key] or 0):.0f}</text>'
+            f'<text x="{x + bar_w / 2}" y="{v2v_y - 5:.1f}" text-anchor="middle">V2V {v2v:.0f}</text>'
             f'<text x="{x + bar_w / 2}" y="{HEIGHT - BOTTOM + 16}" text-anchor="middle">{key}</text>'
         )
     for row, (color, stage) in enumerate(zip(PALETTE, stages_ms, strict=False)):
@@ -248,11 +247,8 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _machine(report: Mapping[str, object]) -> str:
-    machine: Mapping[str, object] = report.get("machine") or {}  # type: ignore[assignment]
-    if not machine:
-        return ""
-    return f"on {machine.get('host')}: {machine.get('cpus')} CPUs, Python {machine.get('python')}"
+def _machine(machine: Machine) -> str:
+    return f"on {machine.host}: {machine.cpus} CPUs, Python {machine.python}"
 
 
 def _page(title: str, body: str) -> str:
@@ -262,117 +258,102 @@ def _page(title: str, body: str) -> str:
     )
 
 
-def render_report(report: Mapping[str, object]) -> str:
+def _summary_row(name: str, summary: Summary) -> list[object]:
+    return [name, summary.p50, summary.p95, summary.p99, summary.max, summary.mean, summary.count]
+
+
+def render_report(report: LoadTestReport) -> str:
     """The HTML page of one load test: summary table, failures, the three charts, every turn."""
-    config: Mapping[str, object] = report["config"]  # type: ignore[assignment]
-    counts: Mapping[str, object] = report["turns"]  # type: ignore[assignment]
-    v2v: Mapping[str, float | None] = report["v2v_ms"]  # type: ignore[assignment]
-    stages: Mapping[str, Mapping[str, float | None]] = report["stages_ms"]  # type: ignore[assignment]
-    turns: Sequence[Mapping[str, object]] = report["per_turn"]  # type: ignore[assignment]
-    keys = ("p50", "p95", "p99", "max", "mean", "count")
-    summary_rows = [["V2V", *(v2v[k] for k in keys)]] + [[name, *(s[k] for k in keys)] for name, s in stages.items()]
-    failures: Mapping[str, int] = counts["failed_by_error"]  # type: ignore[assignment]
-    ok_v2v = [float(t["v2v_ms"]) for t in turns if t["ok"] and t["v2v_ms"] is not None]  # type: ignore[arg-type]
-    clips = ", ".join(str(c["name"]) for c in config.get("clips", []))  # type: ignore[attr-defined, index]
+    options, counts, v2v = report.options, report.turns, report.v2v_ms
+    summary_rows = [_summary_row("V2V", v2v)] + [_summary_row(name, s) for name, s in report.stages_ms.items()]
+    ok_v2v = [t.v2v_ms for t in report.per_turn if t.ok and t.v2v_ms is not None]
+    clips = ", ".join(clip.name for clip in report.clips)
     parts = [
         "<h1>voicemesh load test</h1>",
-        f"<p>{escape(str(config['target']))} over {escape(str(config['transport']))}: {config['sessions']} sessions"
-        f" &times; {config['turns']} turns, ramp {config['ramp_s']} s, wall {report['wall_s']} s; clips {escape(clips)};"
-        f" {escape(_machine(report))}</p>",
-        f'<p><b class="ok">{counts["ok"]} ok</b>, <b class="{"bad" if counts["failed"] else "ok"}">'
-        f"{counts['failed']} failed</b>, {counts['not_started']} not started of {counts['planned']} turns;"
-        f" throughput {report['throughput']['ok_turns_per_min']} ok turns/min</p>",  # type: ignore[index]
+        f"<p>{escape(options.target)} over {escape(options.transport)}: {options.sessions} sessions"
+        f" &times; {options.turns} turns, ramp {options.ramp_s} s, wall {report.wall_s} s; clips {escape(clips)};"
+        f" {escape(_machine(report.machine))}</p>",
+        f'<p><b class="ok">{counts.ok} ok</b>, <b class="{"bad" if counts.failed else "ok"}">'
+        f"{counts.failed} failed</b>, {counts.not_started} not started of {counts.planned} turns;"
+        f" throughput {report.throughput.ok_turns_per_min} ok turns/min</p>",
         "<h2>Latency (ms)</h2>",
-        _table(["", *keys], summary_rows),
-        f'<p class="note">Percentiles: {escape(str(report.get("percentile_method", "")))}. V2V is measured at the'
+        _table(["", "p50", "p95", "p99", "max", "mean", "count"], summary_rows),
+        f'<p class="note">Percentiles: {escape(PERCENTILE_METHOD)}. V2V is measured at the'
         " client: first reply audio received - send time of the clip's last speech frame. Stages come from the"
         " gateway's per-turn metrics (downlink: client receipt - gateway send).</p>",
     ]
-    if failures:
-        parts += ["<h2>Failed turns by error</h2>", _table(["status", "turns"], list(failures.items()))]
+    if counts.failed_by_error:
+        parts += ["<h2>Failed turns by error</h2>", _table(["status", "turns"], list(counts.failed_by_error.items()))]
     parts += [
         "<h2>V2V CDF</h2>",
-        cdf_chart(ok_v2v, {k: v2v[k] for k in ("p50", "p95", "p99")}, report.get("budget_ms")),  # type: ignore[arg-type]
+        cdf_chart(ok_v2v, v2v.percentiles()),
         "<h2>V2V over time against live sessions</h2>",
-        timeline_chart(turns, report["live_sessions"], float(report["wall_s"])),  # type: ignore[arg-type]
+        timeline_chart(report.per_turn, report.live_sessions, report.wall_s),
         "<h2>Stages stacked at p50 / p95 / p99</h2>",
-        stacked_stages_chart(stages, v2v),
+        stacked_stages_chart(report.stages_ms, v2v),
         '<p class="note">Each segment is that stage\'s own percentile, so the stack need not add up to V2V at the'
         " same percentile (the black line); stages can also overlap (speculative start).</p>",
         "<h2>Every turn</h2>",
         _table(
             ["session", "turn", "clip", "status", "V2V ms", "server V2V ms", "you said", "reply", "detail"],
             [
-                [
-                    t["session"],
-                    t["turn"],
-                    t["clip"],
-                    t["status"],
-                    t["v2v_ms"],
-                    t["server_v2v_ms"],
-                    t["user"],
-                    t["reply"],
-                    t["detail"],
-                ]
-                for t in turns
+                [t.session, t.turn, t.clip, t.status, t.v2v_ms, t.server_v2v_ms, t.user, t.reply, t.detail]
+                for t in report.per_turn
             ],
         ),
     ]
     return _page("voicemesh load test", "".join(parts))
 
 
-def render_sweep(result: Mapping[str, object]) -> str:
+def render_sweep(result: SweepResult) -> str:
     """The HTML page of a sweep: verdict, V2V and queue medians against session count, links to each level."""
-    levels: Sequence[Mapping[str, object]] = result["levels"]  # type: ignore[assignment]
-    sessions = [float(level["sessions"]) for level in levels]  # type: ignore[arg-type]
-    here = os.path.dirname(result.get("files", {}).get("html", "")) or "."  # type: ignore[attr-defined]
-    queues = list(levels[0]["queue_medians_ms"]) if levels else []  # type: ignore[call-overload]
+    levels = result.levels
+    sessions = [float(level.sessions) for level in levels]
+    here = os.path.dirname(result.files.html) if result.files is not None else "."
     rows = []
     for level in levels:
-        html = level["report"].get("html") if level["report"] else None  # type: ignore[attr-defined]
-        link = f'<a href="{escape(os.path.relpath(html, here))}">report</a>' if html else ""
+        link = (
+            f'<a href="{escape(os.path.relpath(level.report.html, here))}">report</a>'
+            if level.report is not None
+            else ""
+        )
+        numbers = (
+            level.sessions,
+            level.turns_ok,
+            level.turns_failed,
+            level.v2v_p50_ms,
+            level.v2v_p95_ms,
+            level.v2v_p99_ms,
+            level.ok_turns_per_min,
+        )
         rows.append(
             "<tr>"
-            + "".join(
-                _cell(level[k])
-                for k in (
-                    "sessions",
-                    "turns_ok",
-                    "turns_failed",
-                    "v2v_p50_ms",
-                    "v2v_p95_ms",
-                    "v2v_p99_ms",
-                    "ok_turns_per_min",
-                )
-            )
-            + _cell("yes" if level["within_budget"] else "no")
-            + "".join(_cell(level["queue_medians_ms"][q]) for q in queues)  # type: ignore[index]
+            + "".join(_cell(value) for value in numbers)
+            + _cell("yes" if level.within_budget else "no")
+            + "".join(_cell(level.queue_medians_ms[stage]) for stage in QUEUE_STAGES)
             + f"<td>{link}</td></tr>"
         )
-    header = ["sessions", "ok", "failed", "p50 ms", "p95 ms", "p99 ms", "ok turns/min", "within", *queues, ""]
+    header = ["sessions", "ok", "failed", "p50 ms", "p95 ms", "p99 ms", "ok turns/min", "within", *QUEUE_STAGES, ""]
     parts = [
         "<h1>voicemesh capacity sweep</h1>",
-        f"<p>{escape(str(result['target']))} over {escape(str(result['transport']))},"
-        f" {result['turns_per_session']} turns per session, budget p99 V2V &le; {result['budget_ms']} ms;"
-        f" {escape(_machine(result))}</p>",
-        f"<p><b>{escape(str(result['verdict']))}</b></p>",
+        f"<p>{escape(result.target)} over {escape(result.transport)},"
+        f" {result.turns_per_session} turns per session, budget p99 V2V &le; {result.budget_ms} ms;"
+        f" {escape(_machine(result.machine))}</p>",
+        f"<p><b>{escape(result.verdict)}</b></p>",
         "<table><tr>" + "".join(f"<th>{escape(h)}</th>" for h in header) + "</tr>" + "".join(rows) + "</table>",
         "<h2>V2V against sessions</h2>",
         line_chart(
             sessions,
-            {
-                "p50": [level["v2v_p50_ms"] for level in levels],  # type: ignore[misc]
-                "p99": [level["v2v_p99_ms"] for level in levels],  # type: ignore[misc]
-            },
+            {"p50": [level.v2v_p50_ms for level in levels], "p99": [level.v2v_p99_ms for level in levels]},
             "concurrent sessions",
             "V2V (ms)",
             "V2V against sessions",
-            budget=float(result["budget_ms"]),  # type: ignore[arg-type]
+            budget=result.budget_ms,
         ),
         "<h2>Queue medians against sessions</h2>",
         line_chart(
             sessions,
-            {q: [level["queue_medians_ms"][q] for level in levels] for q in queues},  # type: ignore[index]
+            {stage: [level.queue_medians_ms[stage] for level in levels] for stage in QUEUE_STAGES},
             "concurrent sessions",
             "median wait (ms)",
             "Queue medians against sessions",

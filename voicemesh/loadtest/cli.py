@@ -1,0 +1,59 @@
+"""`voicemesh loadtest`: one load test or a capacity sweep from the command line; a table, then JSON + HTML files."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+from voicemesh.loadtest.capacity import DEFAULT_BUDGET_MS, sweep
+from voicemesh.loadtest.driver import loadtest
+from voicemesh.loadtest.options import LoadTestError, LoadTestOptions
+from voicemesh.loadtest.report import format_summary, format_sweep
+
+
+def parse_levels(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8]."""
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as error:
+        raise LoadTestError(f"--sweep {text!r}: give session counts separated by commas, e.g. 1,2,4,8") from error
+    if not levels or min(levels) < 1:
+        raise LoadTestError(f"--sweep {text!r}: give session counts of 1 or more, e.g. 1,2,4,8")
+    return levels
+
+
+def options_from_args(args: argparse.Namespace) -> LoadTestOptions:
+    """The flags given; every flag left out keeps `LoadTestOptions`' default."""
+    given = {
+        "target": args.target,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "audio": tuple(args.audio),
+        "transport": args.transport,
+        "ramp_s": args.ramp_s,
+        "duration_s": args.duration_s,
+        "turn_timeout_s": args.turn_timeout_s,
+        "allow_remote": args.allow_remote,
+    }
+    return dataclasses.replace(LoadTestOptions(), **{name: value for name, value in given.items() if value is not None})
+
+
+async def command(args: argparse.Namespace) -> int:
+    """Prints the summary and the report paths; exit 1 when turns failed (or no sweep level fit), 2 when refused."""
+    out_dir = Path(args.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        options = options_from_args(args)
+        if args.sweep:
+            budget_ms = DEFAULT_BUDGET_MS if args.budget_ms is None else args.budget_ms
+            result = await sweep(options, parse_levels(args.sweep), budget_ms, out_dir, not args.sweep_all)
+            print(format_sweep(result))
+            return 0 if result.capacity_sessions else 1
+        report = await loadtest(options, out_dir)
+    except LoadTestError as error:
+        print(f"loadtest: {error}", file=sys.stderr)
+        return 2
+    print(format_summary(report))
+    return 0 if report.turns.ok == report.turns.planned else 1
