@@ -14,7 +14,7 @@ from services.asr.completeness import TurnScorer
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
 from services.asr.engine import DecodeOptions, Transcriber, Transcript
 from services.asr.stabilizer import LocalAgreement
-from services.asr.vad import SAMPLE_RATE_HZ, WINDOW_MS, WINDOW_SAMPLES, StreamingVad
+from services.asr.vad import SAMPLE_RATE_HZ, WINDOW_MS, WINDOW_SAMPLES, Vad
 from voicemesh import telemetry
 from voicemesh.audio import StreamResampler, pcm16_to_float
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -35,7 +35,7 @@ class RecognitionStream:
         self,
         config: asr_pb2.RecognitionConfig,
         policy: EndpointingPolicy,
-        vad: StreamingVad,
+        vad: Vad,
         transcriber: Transcriber,
         pool: WorkerPool,
         emit: Callable[[asr_pb2.RecognizeEvent], None],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import numpy as np
 import onnxruntime
@@ -23,6 +24,12 @@ def load_session() -> onnxruntime.InferenceSession:
     options.log_severity_level = 4
     path = os.path.join(get_assets_path(), "silero_vad_v6.onnx")
     return onnxruntime.InferenceSession(path, sess_options=options, providers=["CPUExecutionProvider"])
+
+
+class Vad(Protocol):
+    """Speech probability of each 32 ms window of one stream, in order."""
+
+    def probability(self, window: np.ndarray) -> float: ...
 
 
 class StreamingVad:

@@ -58,7 +58,7 @@ async def _stream_events(
     events: list[asr_pb2.RecognizeEvent] = []
     policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
     vad = transcriber.vad
-    stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)  # type: ignore[arg-type]
+    stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)
     # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
     for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
@@ -159,7 +159,7 @@ async def _scored_run(scorer: TurnScorer) -> list[asr_pb2.RecognizeEvent]:
         FakeTranscriber(vad),
         WorkerPool(1, "test-asr"),
         events.append,
-        scorer,  # type: ignore[arg-type]
+        scorer,
     )
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
     for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
