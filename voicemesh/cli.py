@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -13,7 +14,9 @@ from pathlib import Path
 
 from voicemesh import console
 from voicemesh.audio import read_wav, write_wav
+from voicemesh.clients import Credentials
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, wait_healthy
+from voicemesh.tls import ClientTls
 
 SERVICES = ("asr", "llm", "tts", "gateway")
 
@@ -94,7 +97,10 @@ async def _transcribe(args: argparse.Namespace) -> int:
 
     clip = read_wav(args.clip)
     finals = []
-    async for seconds, event in clients.recognize(args.target, clip, args.rate, realtime=not args.fast):
+    credentials = _credentials(args)
+    async for seconds, event in clients.recognize(
+        args.target, clip, args.rate, realtime=not args.fast, credentials=credentials
+    ):
         kind = event.WhichOneof("event")
         if args.json:
             print(
@@ -128,7 +134,7 @@ async def _ask(args: argparse.Namespace) -> int:
     first_ms = None
     text = []
     async for response in clients.generate(
-        args.target, [(llm_pb2.ROLE_USER, args.question)], max_tokens=args.max_tokens
+        args.target, [(llm_pb2.ROLE_USER, args.question)], max_tokens=args.max_tokens, credentials=_credentials(args)
     ):
         if first_ms is None:
             first_ms = (time.monotonic() - start) * 1000
@@ -158,7 +164,9 @@ async def _say(args: argparse.Namespace) -> int:
 
     audio = bytearray()
     first_s = None
-    async for seconds, event in clients.synthesize(args.target, args.text.split(" "), rate_hz=args.rate):
+    async for seconds, event in clients.synthesize(
+        args.target, args.text.split(" "), rate_hz=args.rate, credentials=_credentials(args)
+    ):
         if event.WhichOneof("event") == "audio":
             first_s = seconds if first_s is None else first_s
             audio += event.audio.frame.data
@@ -179,7 +187,9 @@ async def _talk(args: argparse.Namespace) -> int:
     config = conversation_pb2.SessionConfig(
         session_id=args.session_id, input_sample_rate_hz=16000, output_sample_rate_hz=16000
     )
-    turns, audio, events = await talk(args.target, read_wav(args.clip), config, trailing_silence_s=args.silence)
+    turns, audio, events = await talk(
+        args.target, read_wav(args.clip), config, trailing_silence_s=args.silence, credentials=_credentials(args)
+    )
     for event in events:
         if isinstance(event, SessionError):
             print(f"error in {event.stage}: {event.code}: {event.message}", file=sys.stderr)
@@ -232,6 +242,24 @@ async def _loadtest(args: argparse.Namespace) -> int:
     return await command(args)
 
 
+def _connection_flags() -> argparse.ArgumentParser:
+    """The flags every client command shares: TLS and a bearer token."""
+    flags = argparse.ArgumentParser(add_help=False)
+    group = flags.add_argument_group("connection")
+    group.add_argument("--token", default=None, help="bearer token or JWT (default: $VOICEMESH_TOKEN)")
+    group.add_argument("--tls", action="store_true", help="TLS, checking the server against the system's CAs")
+    group.add_argument("--tls-ca", default="", help="TLS, checking the server against this PEM CA")
+    group.add_argument("--tls-cert", default="", help="client certificate (PEM) for mutual TLS")
+    group.add_argument("--tls-key", default="", help="the client certificate's key (PEM)")
+    return flags
+
+
+def _credentials(args: argparse.Namespace) -> Credentials:
+    token = args.token if args.token is not None else os.environ.get("VOICEMESH_TOKEN", "")
+    use_tls = args.tls or args.tls_ca or args.tls_cert
+    return Credentials(ClientTls(args.tls_ca, args.tls_cert, args.tls_key) if use_tls else None, token)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "serve":
@@ -239,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     parser = argparse.ArgumentParser(prog="voicemesh", description="Low-latency voice AI over a gRPC mesh.")
     sub = parser.add_subparsers(dest="command", required=True)
+    connection = _connection_flags()
     sub.add_parser("serve", help="run one service: voicemesh serve {asr,llm,tts,gateway} --help")
 
     up = sub.add_parser("up", help="start ASR, LLM, TTS and the gateway on loopback; print a line per turn")
@@ -252,27 +281,29 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     up.add_argument("--json-logs", action="store_true", help="the services' JSON logs on the terminal, not a summary")
 
-    tr = sub.add_parser("transcribe", help="stream a WAV into the ASR service")
+    tr = sub.add_parser("transcribe", parents=[connection], help="stream a WAV into the ASR service")
     tr.add_argument("clip")
     tr.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['asr']}")
     tr.add_argument("--rate", type=int, default=16000, choices=(16000, 48000), help="rate to send at")
     tr.add_argument("--fast", action="store_true", help="send as fast as possible, not at real-time pace")
     tr.add_argument("--json", action="store_true")
 
-    ask = sub.add_parser("ask", help="ask the LLM service a question")
+    ask = sub.add_parser("ask", parents=[connection], help="ask the LLM service a question")
     ask.add_argument("question")
     ask.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['llm']}")
     ask.add_argument("--max-tokens", type=int, default=0)
     ask.add_argument("--json", action="store_true")
 
-    say = sub.add_parser("say", help="synthesize text with the TTS service into a WAV")
+    say = sub.add_parser("say", parents=[connection], help="synthesize text with the TTS service into a WAV")
     say.add_argument("text")
     say.add_argument("--out", required=True)
     say.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['tts']}")
     say.add_argument("--rate", type=int, default=22050)
     say.add_argument("--json", action="store_true")
 
-    talk = sub.add_parser("talk", help="speak a WAV to the gateway in real time; save the reply; print V2V per turn")
+    talk = sub.add_parser(
+        "talk", parents=[connection], help="speak a WAV to the gateway in real time; save the reply; print V2V per turn"
+    )
     talk.add_argument("clip")
     talk.add_argument("--out", default=None, help="write the reply audio here (WAV)")
     talk.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}")
@@ -292,6 +323,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     load = sub.add_parser(
         "loadtest",
+        parents=[connection],
         help="N concurrent sessions of real speech against a gateway: V2V p50/p95/p99 per stage, HTML report",
     )
     # Flags left out are None: the defaults live in voicemesh.loadtest (LoadTestOptions, DEFAULT_BUDGET_MS).

@@ -6,12 +6,32 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 
 import grpc
 
 from voicemesh.audio import FRAME_MS, Clip
 from voicemesh.serving import channel_options
+from voicemesh.tls import ClientTls, secure_channel
 from voicemesh.v1 import asr_pb2, asr_pb2_grpc, audio_pb2, llm_pb2, llm_pb2_grpc, tts_pb2, tts_pb2_grpc
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How a client reaches a server: TLS to check it (and, for mutual TLS, to be checked), and a bearer token."""
+
+    tls: ClientTls | None = None
+    token: str = ""
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        return secure_channel(target, self.tls, channel_options())
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata: the token, if any (never logged)."""
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+
+PLAINTEXT = Credentials()
 
 
 def epoch_us() -> int:
@@ -70,6 +90,7 @@ async def recognize(
     realtime: bool = True,
     trailing_silence_s: float = 1.0,
     config: asr_pb2.RecognitionConfig | None = None,
+    credentials: Credentials = PLAINTEXT,
 ) -> AsyncIterator[tuple[float, asr_pb2.RecognizeEvent]]:
     """Stream a clip into StreamingRecognize; yields (seconds since the first frame, event)."""
     cfg = asr_pb2.RecognitionConfig()
@@ -86,14 +107,18 @@ async def recognize(
         async for index, data in paced(frames, realtime):
             yield asr_pb2.RecognizeRequest(frame=pcm_frame(data, rate_hz, index))
 
-    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
-        call = asr_pb2_grpc.RecognizerStub(channel).StreamingRecognize(requests())
+    async with credentials.channel(target) as channel:
+        call = asr_pb2_grpc.RecognizerStub(channel).StreamingRecognize(requests(), metadata=credentials.metadata())
         async for event in call:
             yield time.monotonic() - start, event
 
 
 async def generate(
-    target: str, messages: list[tuple[llm_pb2.Role, str]], session_id: str = "", max_tokens: int = 0
+    target: str,
+    messages: list[tuple[llm_pb2.Role, str]],
+    session_id: str = "",
+    max_tokens: int = 0,
+    credentials: Credentials = PLAINTEXT,
 ) -> AsyncIterator[llm_pb2.GenerateResponse]:
     """Stream a reply; `messages` are (llm_pb2.ROLE_*, text) pairs."""
     request = llm_pb2.GenerateRequest(
@@ -101,8 +126,8 @@ async def generate(
         messages=[llm_pb2.ChatMessage(role=role, content=text) for role, text in messages],
         max_tokens=max_tokens,
     )
-    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
-        async for response in llm_pb2_grpc.GeneratorStub(channel).Generate(request):
+    async with credentials.channel(target) as channel:
+        async for response in llm_pb2_grpc.GeneratorStub(channel).Generate(request, metadata=credentials.metadata()):
             yield response
 
 
@@ -113,6 +138,7 @@ async def synthesize(
     chunking: tts_pb2.ChunkingPolicy = tts_pb2.CHUNKING_POLICY_WORDS,
     lookahead_words: int = 2,
     delta_interval_s: float = 0.0,
+    credentials: Credentials = PLAINTEXT,
 ) -> AsyncIterator[tuple[float, tts_pb2.SynthesizeEvent]]:
     """Send text deltas (optionally spaced in time, like an LLM stream) and a flush; yields (seconds, event)."""
     config = tts_pb2.SynthesisConfig(
@@ -132,7 +158,7 @@ async def synthesize(
                 await asyncio.sleep(delta_interval_s)
         yield tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1))
 
-    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
-        call = tts_pb2_grpc.SynthesizerStub(channel).StreamingSynthesize(requests())
+    async with credentials.channel(target) as channel:
+        call = tts_pb2_grpc.SynthesizerStub(channel).StreamingSynthesize(requests(), metadata=credentials.metadata())
         async for event in call:
             yield time.monotonic() - start, event

@@ -35,6 +35,21 @@ class ServerSettings:
     log_level: str = setting("INFO", "DEBUG, INFO, WARNING or ERROR")
     metrics_port: int = setting(0, "Prometheus /metrics port (0 = no endpoint)")
     trace_file: str = setting("", "append finished spans to this JSONL file (OTLP export is set by OTEL_* env)")
+    tls_cert: str = setting("", "PEM certificate: serve gRPC over TLS (with tls_key); empty = plaintext")
+    tls_key: str = setting("", "PEM private key of tls_cert")
+    tls_client_ca: str = setting("", "PEM CA: callers must present a certificate it signed (mutual TLS)")
+    health_port: int = setting(
+        0, "plaintext port serving only grpc.health.v1, for probes that cannot do TLS or tokens (0 = none)"
+    )
+    auth_token: str = setting(
+        "", "static bearer token callers must send (`authorization: Bearer <token>`); empty = none"
+    )
+    jwt_keys: str = setting(
+        "",
+        "HS256 keys that sign accepted JWTs (which must carry sub and exp): kid:secret[,kid:secret] so a new key "
+        "can be added before the old one is removed; empty = none. With neither this nor auth_token, no auth",
+    )
+    jwt_audience: str = setting("", "the `aud` accepted JWTs must carry; empty = not checked")
 
 
 def _parse(kind: Any, raw: str) -> Any:

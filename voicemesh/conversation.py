@@ -12,8 +12,7 @@ import numpy as np
 
 from voicemesh import stages
 from voicemesh.audio import FRAME_MS, Clip
-from voicemesh.clients import epoch_us, paced, pcm_frame
-from voicemesh.serving import channel_options
+from voicemesh.clients import PLAINTEXT, Credentials, epoch_us, paced, pcm_frame
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -97,6 +96,7 @@ class ConversationClient:
     target: str
     config: conversation_pb2.SessionConfig
     reconnect_attempts: int = 5
+    credentials: Credentials = PLAINTEXT
     _queue: asyncio.Queue[conversation_pb2.ConverseRequest | None] = field(default_factory=asyncio.Queue)
     _seq: int = 0
     _first_audio_us: dict[int, int] = field(default_factory=dict)
@@ -105,7 +105,7 @@ class ConversationClient:
     _accepted: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def __aenter__(self) -> ConversationClient:
-        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
+        self._channel = self.credentials.channel(self.target)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -149,7 +149,7 @@ class ConversationClient:
             self._accepted = accepted = asyncio.Event()
             if self._closed:
                 accepted.set()
-            call = stub.Converse(self._requests(accepted))
+            call = stub.Converse(self._requests(accepted), metadata=self.credentials.metadata())
             try:
                 async for message in call:
                     attempts = 0
@@ -280,6 +280,7 @@ async def talk(
     config: conversation_pb2.SessionConfig | None = None,
     trailing_silence_s: float = 4.0,
     inject: list[tuple[float, Clip]] | None = None,
+    credentials: Credentials = PLAINTEXT,
 ) -> tuple[list[TalkTurn], bytes, list[Event]]:
     """Speak a clip to the gateway in real time, then silence; returns the turns, the reply audio, all events.
 
@@ -305,7 +306,7 @@ async def talk(
     turns: dict[int, TalkTurn] = {}
     audio = bytearray()
     events: list[Event] = []
-    async with ConversationClient(target, cfg) as client:
+    async with ConversationClient(target, cfg, credentials=credentials) as client:
 
         async def stream() -> None:
             async for index, data in paced(frames):

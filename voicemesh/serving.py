@@ -1,8 +1,10 @@
-"""The one way a voicemesh process serves gRPC: health, reflection, size limits, errors, graceful drain."""
+"""The one way a voicemesh process serves gRPC: health, reflection, size limits, errors, credentials, TLS,
+graceful drain."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -14,8 +16,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from voicemesh import logs, telemetry
+from voicemesh.auth import Authenticator, Unauthenticated
 from voicemesh.config import ServerSettings
 from voicemesh.errors import RequestError
+from voicemesh.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +82,85 @@ def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
     return wrapper
 
 
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+REFUSAL_DRAIN_S = 2.0
+
+
+def authenticator_for(settings: ServerSettings) -> Authenticator:
+    return Authenticator(settings.auth_token, settings.jwt_keys, settings.jwt_audience)
+
+
+def server_tls(settings: ServerSettings) -> ServerTls | None:
+    if not (settings.tls_cert or settings.tls_key):
+        if settings.tls_client_ca:
+            raise SystemExit("tls_client_ca needs tls_cert and tls_key: mutual TLS is TLS first")
+        return None
+    if not (settings.tls_cert and settings.tls_key):
+        raise SystemExit("TLS needs both tls_cert and tls_key")
+    return ServerTls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Every call but health checks needs a valid credential; a refusal is a bare UNAUTHENTICATED, counted and
+    logged with its reason (never the credential)."""
+
+    def __init__(self, authenticator: Authenticator, door: str) -> None:
+        self._authenticator = authenticator
+        self._door = door
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(details)
+        if details.method.startswith(HEALTH_PREFIX) or handler is None:
+            return handler
+        metadata = {key: value for key, value in details.invocation_metadata or () if isinstance(value, str)}
+        try:
+            self._authenticator.verify(metadata.get("authorization", ""))
+        except Unauthenticated as refused:
+            telemetry.UNAUTHENTICATED.labels(self._door).inc()
+            log.info("unauthenticated", extra={"rpc": details.method, "reason": str(refused)})
+            return _refusal(handler)
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same shape as `handler` that ends the call with UNAUTHENTICATED and no detail.
+
+    A streaming caller's messages are read (for at most REFUSAL_DRAIN_S) before the refusal: a client that is
+    still writing when the call ends sees INTERNAL "Internal error from Core" instead of the status
+    (grpc/grpc#36066)."""
+
+    async def refuse(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")
+
+    async def drain_then_refuse(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(REFUSAL_DRAIN_S):
+                async for _ in requests:
+                    pass
+        await refuse(None, context)
+
+    serializers = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(drain_then_refuse, **serializers)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(drain_then_refuse, **serializers)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse, **serializers)
+    return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
+
+
 class Server:
-    """A gRPC aio server that reports NOT_SERVING until `load` finishes and drains on SIGTERM."""
+    """A gRPC aio server that reports NOT_SERVING until `load` finishes and drains on SIGTERM.
+
+    With TLS settings it serves TLS (mutual with a client CA); with a token or JWT keys, every call but the health
+    check needs a credential; `health_port` adds a plaintext port with only the health service, for probes."""
 
     def __init__(
         self,
@@ -98,28 +179,54 @@ class Server:
         self._unload = unload  # after the drain: engines and channels closed in order, not by the interpreter's exit
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
         self.port = 0
+        self.health_port = 0
 
     async def start(self) -> int:
         limit = self.settings.max_message_bytes
+        authenticator = authenticator_for(self.settings)
+        name = self.service_names[0].rpartition(".")[2].lower() if self.service_names else "grpc"
         server = grpc.aio.server(
+            interceptors=[AuthInterceptor(authenticator, name)] if authenticator.enabled else None,
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
                 ("grpc.so_reuseport", 0),
                 *KEEPALIVE_OPTIONS,
-            ]
+            ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         self._register(server)
         reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-        self.port = server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        address = f"{self.settings.host}:{self.settings.port}"
+        tls = server_tls(self.settings)
+        self.port = (
+            server.add_secure_port(address, tls.grpc_credentials()) if tls else server.add_insecure_port(address)
+        )
         if self.port == 0:
-            raise SystemExit(f"cannot bind {self.settings.host}:{self.settings.port}")
+            raise SystemExit(f"cannot bind {address}")
+        if self.settings.health_port:
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(
+                f"{self.settings.host}:{self.settings.health_port}"
+            )
+            if self.health_port == 0:
+                raise SystemExit(f"cannot bind the health port {self.settings.host}:{self.settings.health_port}")
+            await self._health_server.start()
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await server.start()
         self._server = server
-        log.info("listening", extra={"address": f"{self.settings.host}:{self.port}"})
+        log.info(
+            "listening",
+            extra={
+                "address": f"{self.settings.host}:{self.port}",
+                "tls": "mutual" if tls and tls.client_ca_file else bool(tls),
+                "auth": authenticator.enabled,
+                "health_port": self.health_port or None,
+            },
+        )
         if self._load is not None:
             await self._load()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
@@ -138,6 +245,9 @@ class Server:
         log.info("draining", extra={"grace_s": self.settings.drain_grace_s})
         await self._server.stop(self.settings.drain_grace_s)
         self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         if self._unload is not None:
             await self._unload()
         log.info("stopped")
@@ -180,8 +290,27 @@ async def merge_reader(reader: Awaitable[None], events: asyncio.Queue[Any]) -> A
 def run(service: str, settings: ServerSettings, build: Callable[[Any], Server]) -> None:
     """A service's main: structured logs, telemetry, serve until SIGTERM, drain, flush spans."""
     logs.configure(settings.log_level, service)
-    telemetry.setup(service, "", settings.trace_file, settings.metrics_port, settings.host)
+    authenticator = authenticator_for(settings)
+    telemetry.setup(
+        service,
+        "",
+        settings.trace_file,
+        settings.metrics_port,
+        settings.host,
+        metrics_authorized=_authorizer(authenticator) if authenticator.enabled else None,
+    )
     try:
         asyncio.run(build(settings).run_until_signal())
     finally:
         telemetry.shutdown()
+
+
+def _authorizer(authenticator: Authenticator) -> Callable[[str], bool]:
+    def authorized(authorization: str) -> bool:
+        try:
+            authenticator.verify(authorization)
+        except Unauthenticated:
+            return False
+        return True
+
+    return authorized

@@ -13,16 +13,18 @@ import json
 import logging
 import os
 import socket
+import socketserver
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,9 @@ QUEUE_WAIT = Histogram(
 COMPUTE = Histogram(
     "voicemesh_compute_seconds", "Time to the first result on a worker", ["service"], buckets=LATENCY_BUCKETS_S
 )
+UNAUTHENTICATED = Counter(
+    "voicemesh_unauthenticated_total", "Requests refused for a missing or invalid credential", ["door"]
+)
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
 
 
@@ -114,7 +119,12 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
 
 
 def setup(
-    service: str, replica: str = "", trace_file: str = "", metrics_port: int = 0, host: str = "127.0.0.1"
+    service: str,
+    replica: str = "",
+    trace_file: str = "",
+    metrics_port: int = 0,
+    host: str = "127.0.0.1",
+    metrics_authorized: Callable[[str], bool] | None = None,
 ) -> None:
     """Configure this process once: span export (OTLP by OTEL_* env, and/or a JSONL file) and /metrics."""
     global _provider
@@ -135,8 +145,36 @@ def setup(
     trace.set_tracer_provider(provider)
     _provider = provider
     if metrics_port:
-        start_http_server(metrics_port, addr=host)
+        serve_metrics(metrics_port, host, metrics_authorized)
         log.info("metrics endpoint", extra={"address": f"http://{host}:{metrics_port}/metrics"})
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # every scrape would be a stderr line
+        pass
+
+
+def serve_metrics(port: int, host: str, authorized: Callable[[str], bool] | None = None) -> int:
+    """Prometheus /metrics on a thread; with `authorized`, a scrape without a valid bearer token gets a bare 401.
+
+    Returns the port (for port 0)."""
+    metrics_app = make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if authorized is not None and not authorized(environ.get("HTTP_AUTHORIZATION", "")):
+            UNAUTHENTICATED.labels("metrics").inc()
+            start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Length", "0")])
+            return [b""]
+        body: Iterable[bytes] = metrics_app(environ, start_response)
+        return body
+
+    server = make_server(host, port, app, _ThreadingServer, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return int(server.server_port)
 
 
 def shutdown() -> None:
