@@ -137,7 +137,8 @@ class PageDriver:
         await self.page.click("#mic")
 
     async def state(self) -> dict[str, Any]:
-        return await self.page.evaluate("JSON.parse(JSON.stringify(window.voicemesh.state))")
+        state: dict[str, Any] = await self.page.evaluate("JSON.parse(JSON.stringify(window.voicemesh.state))")
+        return state
 
     async def wait_until(self, expression: str, timeout_s: float) -> dict[str, Any]:
         """Poll until `expression` (JavaScript over `s`, the page state) is true; AssertionError with the state."""

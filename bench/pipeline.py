@@ -17,12 +17,13 @@ import asyncio
 import json
 import statistics
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from voicemesh.audio import read_wav
-from voicemesh.conversation import talk
+from voicemesh.conversation import TalkTurn, talk
 from voicemesh.mesh import local_mesh
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
@@ -54,18 +55,72 @@ MODES = {
 DEFAULT_MODES = ("a_naive", "b_sentence", "c_all_on")
 
 
-async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> dict[str, object] | None:
+@dataclass(frozen=True)
+class MeasuredTurn:
+    """One turn that reached reply audio: the clip spoken and the turn as the client saw it."""
+
+    clip: str
+    turn: TalkTurn
+    v2v_ms: float  # to 0.1 ms, as printed per turn
+    server: conversation_pb2.TurnMetrics  # the gateway's own metrics of the turn
+
+    def to_json(self) -> dict[str, object]:
+        """The turn as printed under `per_turn`."""
+        return {**self.turn.as_dict(), "clip": self.clip}
+
+
+@dataclass(frozen=True)
+class ModeSummary:
+    """One mode over all its turns; the field names are the JSON keys."""
+
+    turns: int
+    failed_turns: int
+    v2v_p50_ms: float | None
+    v2v_p95_ms: float | None
+    v2v_max_ms: float | None
+    stage_medians_ms: dict[str, float]
+    speculative_used: int
+    speculative_discarded: int
+    completion_tokens_median: float | None
+
+    @classmethod
+    def of(cls, rows: list[MeasuredTurn], failed_turns: int) -> ModeSummary:
+        v2v = [row.v2v_ms for row in rows]
+        stages = (
+            {
+                key: round(statistics.median(row.turn.stages_ms[key] for row in rows), 1)
+                for key in rows[0].turn.stages_ms
+            }
+            if rows
+            else {}
+        )
+        return cls(
+            turns=len(v2v),
+            failed_turns=failed_turns,
+            v2v_p50_ms=round(float(np.percentile(v2v, 50)), 1) if v2v else None,
+            v2v_p95_ms=round(float(np.percentile(v2v, 95)), 1) if v2v else None,
+            v2v_max_ms=max(v2v) if v2v else None,
+            stage_medians_ms=stages,
+            speculative_used=sum(1 for row in rows if row.server.speculative_used),
+            speculative_discarded=sum(row.server.speculative_discarded for row in rows),
+            completion_tokens_median=statistics.median(row.server.completion_tokens for row in rows) if rows else None,
+        )
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> MeasuredTurn | None:
     config = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000, options=options)
     turns, _, _ = await talk(target, read_wav(CLIPS / f"{clip_name}.wav"), config, trailing_silence_s=2.5)
-    if not turns or turns[0].v2v_ms is None:
+    # A turn with V2V has its metrics too (V2V is measured from the speech end they carry).
+    if not turns or (v2v_ms := turns[0].v2v_ms) is None or turns[0].metrics is None:
         return None
-    row = turns[0].as_dict()
-    row["clip"] = clip_name
-    return row
+    return MeasuredTurn(clip_name, turns[0], round(v2v_ms, 1), turns[0].metrics.server)
 
 
 async def measure(target: str, modes: list[str], clips: list[str], rounds: int) -> dict[str, object]:
-    rows: dict[str, list[dict[str, object]]] = {mode: [] for mode in modes}
+    rows: dict[str, list[MeasuredTurn]] = {mode: [] for mode in modes}
     failed: dict[str, int] = dict.fromkeys(modes, 0)
     for _ in range(rounds):
         for clip in clips:
@@ -75,35 +130,13 @@ async def measure(target: str, modes: list[str], clips: list[str], rounds: int) 
                     failed[mode] += 1
                 else:
                     rows[mode].append(row)
-    summary: dict[str, object] = {}
-    for mode in modes:
-        v2v = [float(r["v2v_ms"]) for r in rows[mode]]  # type: ignore[arg-type]
-        stages = (
-            {
-                key: round(statistics.median(float(r["stages_ms"][key]) for r in rows[mode]), 1)  # type: ignore[index]
-                for key in rows[mode][0]["stages_ms"]  # type: ignore[union-attr]
-            }
-            if rows[mode]
-            else {}
-        )
-        summary[mode] = {
-            "turns": len(v2v),
-            "failed_turns": failed[mode],
-            "v2v_p50_ms": round(float(np.percentile(v2v, 50)), 1) if v2v else None,
-            "v2v_p95_ms": round(float(np.percentile(v2v, 95)), 1) if v2v else None,
-            "v2v_max_ms": max(v2v) if v2v else None,
-            "stage_medians_ms": stages,
-            "speculative_used": sum(1 for r in rows[mode] if r["speculative_used"]),
-            "speculative_discarded": sum(int(r["speculative_discarded"]) for r in rows[mode]),  # type: ignore[arg-type]
-            "completion_tokens_median": statistics.median(int(r["completion_tokens"]) for r in rows[mode])
-            if rows[mode]
-            else None,  # type: ignore[arg-type]
-        }
-    if "a_naive" in summary and "c_all_on" in summary:
-        a, c = summary["a_naive"]["v2v_p50_ms"], summary["c_all_on"]["v2v_p50_ms"]  # type: ignore[index]
-        summary["ratio_p50_naive_over_all_on"] = round(a / c, 2) if a and c else None
-    summary["per_turn"] = rows
-    return summary
+    summaries = {mode: ModeSummary.of(rows[mode], failed[mode]) for mode in modes}
+    result: dict[str, object] = {mode: summary.to_json() for mode, summary in summaries.items()}
+    if "a_naive" in summaries and "c_all_on" in summaries:
+        a, c = summaries["a_naive"].v2v_p50_ms, summaries["c_all_on"].v2v_p50_ms
+        result["ratio_p50_naive_over_all_on"] = round(a / c, 2) if a and c else None
+    result["per_turn"] = {mode: [row.to_json() for row in mode_rows] for mode, mode_rows in rows.items()}
+    return result
 
 
 def run(

@@ -15,6 +15,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterable, Sequence
+
+import grpc
 
 from gateway.backends import Backends
 from voicemesh.loadstats import summarize
@@ -33,7 +36,9 @@ QUESTIONS = [
 ]
 
 
-def _request(session_id: str, turns: list[tuple[int, str]], max_tokens: int = 24) -> llm_pb2.GenerateRequest:
+def _request(
+    session_id: str, turns: Sequence[tuple[llm_pb2.Role, str]], max_tokens: int = 24
+) -> llm_pb2.GenerateRequest:
     return llm_pb2.GenerateRequest(
         session_id=session_id,
         messages=[llm_pb2.ChatMessage(role=role, content=text) for role, text in turns],
@@ -41,7 +46,7 @@ def _request(session_id: str, turns: list[tuple[int, str]], max_tokens: int = 24
     )
 
 
-async def _first_token(stream) -> tuple[float, str, str]:  # type: ignore[no-untyped-def]
+async def _first_token(stream: AsyncIterable[llm_pb2.GenerateResponse]) -> tuple[float, str, str]:
     """(ms from send to first token, replica, reply text)."""
     start = time.monotonic()
     first_ms, replica, text = 0.0, "", []
@@ -60,6 +65,7 @@ async def sticky_vs_round_robin(backends: Backends, targets: list[str]) -> dict[
             first = [(llm_pb2.ROLE_USER, question)]
             _, _, reply = await _first_token(backends.generate(_request(session, first)))
             second = [*first, (llm_pb2.ROLE_ASSISTANT, reply or "I see."), (llm_pb2.ROLE_USER, "Tell me more.")]
+            stream: AsyncIterable[llm_pb2.GenerateResponse]
             if mode == "sticky":
                 stream = backends.generate(_request(session, second))
             else:  # round-robin: the next replica, not the session's own
@@ -84,7 +90,7 @@ async def burst(backends: Backends, size: int) -> dict[str, object]:
             )
             return ms, replica
         except Exception as error:
-            return -1.0, getattr(error, "code", lambda: "ERROR")().name
+            return -1.0, error.code().name if isinstance(error, grpc.aio.AioRpcError) else "ERROR"
 
     results = await asyncio.gather(*(one(i) for i in range(size)))
     ok = [ms for ms, _ in results if ms >= 0]

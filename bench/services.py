@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from services.llm.engine import Engine, GenerationRequest, Message
+
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
 
@@ -51,7 +53,6 @@ def bench_asr(repeats: int = 7) -> dict[str, object]:
 
 
 async def bench_llm(repeats: int = 5) -> dict[str, object]:
-    from services.llm.engine import GenerationRequest, Message
     from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 
     engine = LlamaCppEngine(default_model_path(), n_threads=2)
@@ -86,7 +87,7 @@ async def bench_llm(repeats: int = 5) -> dict[str, object]:
     }
 
 
-async def _generate(engine, request) -> tuple[float, int, float]:  # type: ignore[no-untyped-def]
+async def _generate(engine: Engine, request: GenerationRequest) -> tuple[float, int, float]:
     start = time.monotonic()
     ttft = 0.0
     first_at = start

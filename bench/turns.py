@@ -21,7 +21,7 @@ import asyncio
 import json
 import statistics
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +61,31 @@ class Utterance:
     pause_ms: int = 0  # the spliced pause's length (spliced only)
 
 
+@dataclass(frozen=True)
+class FinalTranscript:
+    """A final transcript the ASR committed; the field names are the JSON keys under `per_utterance`."""
+
+    text: str
+    committed_ms: int  # audio received when it committed, from the utterance's start
+    speech_end_ms: float  # where the speaker actually stopped
+    completeness: float
+    hangover_ms: int
+    score_ms: float
+
+
+@dataclass(frozen=True)
+class PauseScores:
+    """How each signal scored one pause (None: no score); the field names are the JSON keys."""
+
+    audio: float | None
+    text: float | None
+    fused: float | None
+    transcript: str
+
+    def signals(self) -> dict[str, float | None]:
+        return {"audio": self.audio, "text": self.text, "fused": self.fused}
+
+
 @dataclass
 class Outcome:
     utterance: str
@@ -68,17 +93,17 @@ class Outcome:
     split: str
     kind: str
     pause_ms: int
-    finals: list[dict[str, object]] = field(default_factory=list)
-    pauses: list[dict[str, object]] = field(default_factory=list)
+    finals: list[FinalTranscript] = field(default_factory=list)
+    pauses: list[PauseScores] = field(default_factory=list)
 
     @property
     def cut_off(self) -> bool:
-        return any(f["committed_ms"] < f["speech_end_ms"] for f in self.finals)  # type: ignore[operator]
+        return any(f.committed_ms < f.speech_end_ms for f in self.finals)
 
     @property
     def dead_air_ms(self) -> float | None:
-        after = [f for f in self.finals if f["committed_ms"] >= f["speech_end_ms"]]  # type: ignore[operator]
-        return float(after[0]["committed_ms"]) - float(after[0]["speech_end_ms"]) if after else None  # type: ignore[arg-type]
+        after = [f for f in self.finals if f.committed_ms >= f.speech_end_ms]
+        return after[0].committed_ms - after[0].speech_end_ms if after else None
 
 
 def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
@@ -130,11 +155,11 @@ class RecordingScorer(TurnScorer):
 
     def __init__(self, audio_model: SmartTurn | None) -> None:
         super().__init__(audio_model)
-        self.records: list[dict[str, object]] = []
+        self.records: list[PauseScores] = []
 
     def fuse(self, audio_score: float | None, text: str) -> float | None:
         fused = super().fuse(audio_score, text)
-        self.records.append({"audio": audio_score, "text": text_completeness(text), "fused": fused, "transcript": text})
+        self.records.append(PauseScores(audio_score, text_completeness(text), fused, text))
         return fused
 
 
@@ -164,16 +189,16 @@ async def run_one(
     for event in events:
         if event.WhichOneof("event") == "final" and event.final.text.strip():
             outcome.finals.append(
-                {
-                    "text": event.final.text,
-                    "committed_ms": event.audio_received_ms,
-                    "speech_end_ms": utterance.speech_end_ms,
-                    "completeness": round(event.final.completeness, 3),
-                    "hangover_ms": event.final.hangover_ms,
-                    "score_ms": round(event.final.score_ms, 1),
-                }
+                FinalTranscript(
+                    text=event.final.text,
+                    committed_ms=event.audio_received_ms,
+                    speech_end_ms=utterance.speech_end_ms,
+                    completeness=round(event.final.completeness, 3),
+                    hangover_ms=event.final.hangover_ms,
+                    score_ms=round(event.final.score_ms, 1),
+                )
             )
-    outcome.pauses = [dict(r) for r in scorer.records]
+    outcome.pauses = list(scorer.records)
     return outcome
 
 
@@ -230,9 +255,9 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
         for index, pause in enumerate(outcome.pauses):
             final_pause = index == len(outcome.pauses) - 1 and not outcome.cut_off
             label = "complete" if final_pause else "incomplete"
-            for signal in rows:
-                if (value := pause[signal]) is not None:
-                    rows[signal][label].append(float(value))  # type: ignore[arg-type]
+            for signal, value in pause.signals().items():
+                if value is not None:
+                    rows[signal][label].append(float(value))
     report: dict[str, object] = {}
     for signal, groups in rows.items():
         complete, incomplete = groups["complete"], groups["incomplete"]
@@ -271,8 +296,8 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
                 "split": o.split,
                 "cut_off": o.cut_off,
                 "dead_air_ms": None if o.dead_air_ms is None else round(o.dead_air_ms, 1),
-                "finals": o.finals,
-                "pauses": o.pauses,
+                "finals": [asdict(f) for f in o.finals],
+                "pauses": [asdict(p) for p in o.pauses],
             }
             for o in outcomes
         ]
