@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 class Started:
     session_id: str
     history_turns: int
+    resume_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,9 @@ class ConversationClient:
                     accepted.set()
                     event = self._convert(message)
                     if isinstance(event, Started):
-                        self.config.session_id = event.session_id  # reconnects continue this session
+                        # Reconnects continue this session, proving they own it.
+                        self.config.session_id = event.session_id
+                        self.config.resume_token = event.resume_token or self.config.resume_token
                     yield event
                 return
             except grpc.aio.AioRpcError as error:
@@ -174,7 +177,8 @@ class ConversationClient:
         turn = message.turn_index
         kind = message.WhichOneof("event")
         if kind == "started":
-            return Started(message.started.session_id, message.started.history_turns)
+            started = message.started
+            return Started(started.session_id, started.history_turns, started.resume_token)
         if kind in ("user_partial", "user_final"):
             transcript = getattr(message, kind)
             return UserTranscript(turn, transcript.text, kind == "user_final", transcript.stable_prefix)
