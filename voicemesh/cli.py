@@ -239,7 +239,7 @@ async def _health(args: argparse.Namespace) -> int:
 async def _loadtest(args: argparse.Namespace) -> int:
     from voicemesh.loadtest import command
 
-    return await command(args)
+    return await command(args, _credentials(args))
 
 
 def _connection_flags() -> argparse.ArgumentParser:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from voicemesh import clients
+from voicemesh.clients import Credentials
 from voicemesh.conversation import speech_end_sent_us
 from voicemesh.loadstats import Summary, summarize
 from voicemesh.loadtest import LoadTestError, LoadTestOptions, check_options, is_loopback, load_clips
@@ -310,7 +311,9 @@ def _report(ok_v2v: list[float], failed: int, not_started: int = 0, out_dir: Pat
     turns += [_turn(2, failed + k, None, "NOT_STARTED") for k in range(not_started)]
     sessions = [SessionRow(index, f"loadtest-x-{index}", 0.1 * index, 12.0, "") for index in range(3)]
     return build_report(
-        LoadTestOptions(target="127.0.0.1:1", sessions=3, turns=2, audio=("a.wav",)),
+        LoadTestOptions(
+            target="127.0.0.1:1", sessions=3, turns=2, audio=("a.wav",), credentials=Credentials(token="sekrit-token")
+        ),
         [],
         sessions,
         turns,
@@ -336,7 +339,9 @@ def test_report_counts_summarises_and_keeps_its_json_keys(tmp_path: Path) -> Non
     report.files.write(report.to_json(), render_report(report))
     saved = json.loads(Path(report.files.json).read_text())
     assert set(saved) == REPORT_KEYS and saved["kind"] == "voicemesh.loadtest"
-    assert set(saved["config"]) == {f.name for f in dataclasses.fields(LoadTestOptions)} | {"clips"}
+    assert "sekrit-token" not in Path(report.files.json).read_text() + Path(report.files.html).read_text()
+    # Every option but the credentials (a token must never land in a report file).
+    assert set(saved["config"]) == {f.name for f in dataclasses.fields(LoadTestOptions)} - {"credentials"} | {"clips"}
     assert set(saved["turns"]) == {"planned", "ok", "failed", "not_started", "failed_by_error"}
     assert set(saved["throughput"]) == {"ok_turns_per_min", "sessions_completed"}
     assert set(saved["machine"]) == {"host", "cpus", "python"}

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.loadtest.capacity import DEFAULT_BUDGET_MS, sweep
 from voicemesh.loadtest.driver import loadtest
 from voicemesh.loadtest.options import LoadTestError, LoadTestOptions
@@ -25,7 +26,7 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
-def options_from_args(args: argparse.Namespace) -> LoadTestOptions:
+def options_from_args(args: argparse.Namespace, credentials: Credentials = PLAINTEXT) -> LoadTestOptions:
     """The flags given; every flag left out keeps `LoadTestOptions`' default."""
     given = {
         "target": args.target,
@@ -37,15 +38,16 @@ def options_from_args(args: argparse.Namespace) -> LoadTestOptions:
         "duration_s": args.duration_s,
         "turn_timeout_s": args.turn_timeout_s,
         "allow_remote": args.allow_remote,
+        "credentials": credentials,
     }
     return dataclasses.replace(LoadTestOptions(), **{name: value for name, value in given.items() if value is not None})
 
 
-async def command(args: argparse.Namespace) -> int:
+async def command(args: argparse.Namespace, credentials: Credentials = PLAINTEXT) -> int:
     """Prints the summary and the report paths; exit 1 when turns failed (or no sweep level fit), 2 when refused."""
     out_dir = Path(args.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}")
     try:
-        options = options_from_args(args)
+        options = options_from_args(args, credentials)
         if args.sweep:
             budget_ms = DEFAULT_BUDGET_MS if args.budget_ms is None else args.budget_ms
             result = await sweep(options, parse_levels(args.sweep), budget_ms, out_dir, not args.sweep_all)

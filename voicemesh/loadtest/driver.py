@@ -164,7 +164,9 @@ class _Session:
             session_id=self.session_id, input_sample_rate_hz=RATE_HZ, output_sample_rate_hz=RATE_HZ
         )
         # No reconnects: a dropped call is a failure the load test must count, not hide.
-        return ConversationClient(self.options.target, config, reconnect_attempts=0)
+        return ConversationClient(
+            self.options.target, config, reconnect_attempts=0, credentials=self.options.credentials
+        )
 
     def fail_rest(self, status: str, detail: str) -> None:
         """The call is over: every turn not yet finished fails with its status."""

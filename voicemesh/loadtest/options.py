@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.mesh import DEFAULT_PORTS
 
 MAX_SESSIONS = 512
@@ -42,6 +43,8 @@ class LoadTestOptions:
     """Non-loopback targets are refused unless this is set."""
     seed: int = 0
     """Seed of the pauses, so two runs pause alike."""
+    credentials: Credentials = field(default=PLAINTEXT, repr=False)
+    """TLS and token to reach the gateway with; never written to the report."""
 
 
 def is_loopback(target: str) -> bool:

@@ -138,11 +138,16 @@ class LoadTestReport:
     per_turn: list[TurnRow]
     files: ReportFiles | None = None
 
+    def _options_json(self) -> dict[str, object]:
+        options = dataclasses.asdict(self.options)
+        del options["credentials"]  # a token must not land in a report file
+        return options
+
     def to_json(self) -> dict[str, object]:
         """The report as loadtest.json holds it; users' tooling reads these keys."""
         data: dict[str, object] = {
             "kind": "voicemesh.loadtest",
-            "config": {**dataclasses.asdict(self.options), "clips": [dataclasses.asdict(c) for c in self.clips]},
+            "config": {**self._options_json(), "clips": [dataclasses.asdict(c) for c in self.clips]},
             "started_at_us": self.started_at_us,
             "wall_s": self.wall_s,
             "machine": dataclasses.asdict(self.machine),
