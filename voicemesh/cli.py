@@ -242,6 +242,17 @@ async def _loadtest(args: argparse.Namespace) -> int:
     return await command(args, _credentials(args))
 
 
+def _token(args: argparse.Namespace) -> int:
+    from voicemesh.auth import issue_token
+
+    keys = os.environ.get("VOICEMESH_JWT_KEYS", "")
+    if not keys:
+        print("set VOICEMESH_JWT_KEYS (kid:secret[,kid:secret]), the keys the gateway verifies with", file=sys.stderr)
+        return 2
+    print(issue_token(keys, args.subject, args.ttl_s, args.key_id, args.audience))
+    return 0
+
+
 def _connection_flags() -> argparse.ArgumentParser:
     """The flags every client command shares: TLS and a bearer token."""
     flags = argparse.ArgumentParser(add_help=False)
@@ -311,6 +322,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     talk.add_argument("--silence", type=float, default=4.0, help="seconds of silence streamed after the clip")
     talk.add_argument("--json", action="store_true")
 
+    token = sub.add_parser("token", help="sign a JWT for a subject with $VOICEMESH_JWT_KEYS (tests, scripts)")
+    token.add_argument("--subject", required=True, help="who the token speaks for (a user id)")
+    token.add_argument("--ttl-s", type=float, default=3600.0, help="seconds until it expires")
+    token.add_argument("--key-id", default="", help="kid of the key to sign with (default: the last, newest)")
+    token.add_argument("--audience", default="", help="aud claim, if the gateway checks one")
+
     report = sub.add_parser("report", help="p50/p95/p99/max of V2V and every stage, from spans")
     report.add_argument("files", nargs="*", help="JSONL span files (the services' --trace-file)")
     report.add_argument("--listen", default="", help="run an OTLP/gRPC receiver here instead, e.g. 127.0.0.1:4317")
@@ -344,6 +361,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     load.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
 
     args = parser.parse_args(argv)
+    if args.command == "token":
+        raise SystemExit(_token(args))
     handlers = {
         "up": _up,
         "transcribe": _transcribe,
