@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
-from voicemesh.routing import ReplicaSet
-from voicemesh.serving import channel_options
+from voicemesh.routing import ReplicaLoad, ReplicaSet
+from voicemesh.serving import channel_options, health_check
 from voicemesh.v1 import asr_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,16 @@ class Backends:
                 *(self._check(load) for replicas in self.sets.values() for load in replicas.replicas.values())
             )
 
-    async def _check(self, load: object) -> None:
-        stub = health_pb2_grpc.HealthStub(self.channel(load.target))  # type: ignore[attr-defined]
+    async def _check(self, load: ReplicaLoad) -> None:
+        check = health_check(self.channel(load.target))
         try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            reply = await check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.aio.AioRpcError:
             healthy = False
-        if healthy != load.healthy:  # type: ignore[attr-defined]
-            log.info("replica health changed", extra={"target": load.target, "healthy": healthy})  # type: ignore[attr-defined]
-        load.healthy = healthy  # type: ignore[attr-defined]
+        if healthy != load.healthy:
+            log.info("replica health changed", extra={"target": load.target, "healthy": healthy})
+        load.healthy = healthy
 
     def channel(self, target: str) -> grpc.aio.Channel:
         if target not in self._channels:
@@ -89,10 +89,10 @@ class Backends:
     def candidates(self, stage: str) -> list[str]:
         return self.sets[stage].least_loaded_order()
 
-    def recognizer(self, target: str) -> asr_pb2_grpc.RecognizerStub:
+    def recognizer(self, target: str) -> asr_pb2_grpc.RecognizerAsyncStub:
         return asr_pb2_grpc.RecognizerStub(self.channel(target))
 
-    def synthesizer(self, target: str) -> tts_pb2_grpc.SynthesizerStub:
+    def synthesizer(self, target: str) -> tts_pb2_grpc.SynthesizerAsyncStub:
         return tts_pb2_grpc.SynthesizerStub(self.channel(target))
 
     @contextlib.contextmanager
@@ -117,7 +117,7 @@ class Backends:
 
     async def generate(
         self, request: llm_pb2.GenerateRequest, metadata: list[tuple[str, str]] | None = None
-    ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[llm_pb2.GenerateResponse, None]:
         """Stream from the session's replica; refused or unreachable before the first token: the next one.
 
         `metadata` carries the turn's W3C trace context, so the replica's spans join the turn's trace.

@@ -7,11 +7,9 @@ from dataclasses import dataclass, field
 from gateway.turn import TurnPolicy
 from voicemesh.endpointing import EndpointingPolicy, policy_from, to_proto
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
-from voicemesh.limits import DEFAULT_MAX_TOKENS, MAX_TOKENS_LIMIT
+from voicemesh.limits import INPUT_RATES, LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
-INPUT_RATES_HZ = (16000, 48000)
-OUTPUT_RATES_HZ = (16000, 24000, 48000)
 MAX_SYSTEM_PROMPT_CHARS = 2000
 
 
@@ -24,11 +22,11 @@ class PipelineOptions:
 
     speculative_start: bool = _TURN.speculative_start
     """Start the reply on the ASR endpoint candidate; its audio is released only once the turn commits."""
-    tts_chunking: int = tts_pb2.CHUNKING_POLICY_WORDS
+    tts_chunking: tts_pb2.ChunkingPolicy = tts_pb2.CHUNKING_POLICY_WORDS
     """When reply text goes to TTS."""
-    tts_lookahead_words: int = 2
+    tts_lookahead_words: int = LOOKAHEAD_WORDS.default
     """Words of lookahead for word chunking."""
-    asr_decode_window: int = asr_pb2.DECODE_WINDOW_TRIMMED
+    asr_decode_window: asr_pb2.DecodeWindow = asr_pb2.DECODE_WINDOW_TRIMMED
     """Window of the ASR final pass."""
     asr_final_at_silence: bool = True
     """The ASR starts its final pass at the first silence, so it is done when the hangover commits the turn."""
@@ -42,7 +40,7 @@ class PipelineOptions:
     """How long a paused reply waits for words."""
     backchannels: frozenset[str] = _TURN.backchannels
     """Acknowledgements that do not interrupt."""
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = MAX_TOKENS.default
     """Reply length cap in tokens."""
     buffer_whole_reply: bool = False
     """Baseline: whole LLM reply, then whole synthesis, then send (no streaming between stages)."""
@@ -76,25 +74,16 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
     """Validate a SessionConfig; raises RequestError naming the field and the allowed values."""
     session_id = config.session_id or new_id
     check_session_id(session_id)
-    if config.input_sample_rate_hz not in INPUT_RATES_HZ:
-        raise invalid(f"input_sample_rate_hz={config.input_sample_rate_hz} unsupported; send 16000 or 48000")
-    output_rate = config.output_sample_rate_hz or 16000
-    if output_rate not in OUTPUT_RATES_HZ:
-        raise invalid(f"output_sample_rate_hz={output_rate} unsupported; send 16000, 24000 or 48000 (or 0 for 16000)")
+    input_rate = INPUT_RATES.check(config.input_sample_rate_hz, "input_sample_rate_hz")
+    output_rate = OUTPUT_RATES.check(config.output_sample_rate_hz, "output_sample_rate_hz")
     if len(config.system_prompt) > MAX_SYSTEM_PROMPT_CHARS:
         raise out_of_range(
             f"system_prompt has {len(config.system_prompt)} characters; at most {MAX_SYSTEM_PROMPT_CHARS}"
         )
     given = config.options
     default = PipelineOptions()
-    lookahead = given.tts_lookahead_words or default.tts_lookahead_words
-    if not 1 <= lookahead <= 4:
-        raise out_of_range(f"options.tts_lookahead_words={lookahead} out of range; send 1-4 (or 0 for 2)")
-    max_tokens = given.max_tokens or default.max_tokens
-    if not 1 <= max_tokens <= MAX_TOKENS_LIMIT:
-        raise out_of_range(
-            f"options.max_tokens={max_tokens} out of range; send 1-{MAX_TOKENS_LIMIT} (or 0 for {DEFAULT_MAX_TOKENS})"
-        )
+    lookahead = LOOKAHEAD_WORDS.resolve(given.tts_lookahead_words, "options.tts_lookahead_words")
+    max_tokens = MAX_TOKENS.resolve(given.max_tokens, "options.max_tokens")
     barge_ms = given.barge_in_min_speech_ms or default.barge_in_min_speech_ms
     if not 50 <= barge_ms <= 3000:
         raise out_of_range(
@@ -116,7 +105,7 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
         raise invalid(f"options.{error.message}") from error
 
     def flag(name: str) -> bool:
-        return getattr(given, name) if given.HasField(name) else getattr(default, name)
+        return bool(getattr(given if given.HasField(name) else default, name))
 
     pipeline = PipelineOptions(
         speculative_start=flag("speculative_start"),
@@ -135,7 +124,7 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
     )
     return SessionOptions(
         session_id=session_id,
-        input_rate_hz=config.input_sample_rate_hz,
+        input_rate_hz=input_rate,
         output_rate_hz=output_rate,
         voice=config.voice,
         system_prompt=config.system_prompt,

@@ -2,9 +2,10 @@
 
 The session feeds the controller the ASR's events, reply progress and the clock, and carries out its commands:
 start / cancel / commit a reply (LLM call streaming into the session's TTS stream), pause / resume / stop the
-reply's audio, end the turn. All three backend streams are per session and long-lived: one ASR stream, one TTS
-stream, LLM calls on a persistent channel. A backend that fails is reported as an error event naming the stage
-and reconnected. Metrics and spans observe the commands.
+reply's audio, end the turn. The reply's audio goes to the session's playout (gateway/playout.py), which the
+transport plays out in real time and which tells the session what was heard. All three backend streams are per
+session and long-lived: one ASR stream, one TTS stream, LLM calls on a persistent channel. A backend that fails is
+reported as an error event naming the stage and reconnected. Metrics and spans observe the commands.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 from opentelemetry.trace import Span
@@ -23,6 +25,7 @@ from opentelemetry.trace import Span
 from gateway import turn
 from gateway.backends import Backends
 from gateway.options import SessionOptions
+from gateway.playout import Playout
 from voicemesh import stages, telemetry
 from voicemesh.clients import epoch_us
 from voicemesh.errors import RequestError
@@ -32,11 +35,10 @@ log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 HOSTNAME = socket.gethostname()
 
-FRAME_S = 0.02
-LEAD_FRAMES = 5  # sent ahead of real time so the client's jitter buffer starts filled (100 ms)
 RECONNECT_BACKOFF_S = (0.2, 2.0)
 FINISH_TIMEOUT_S = 60.0
 ROLE = {"user": llm_pb2.ROLE_USER, "assistant": llm_pb2.ROLE_ASSISTANT}
+RequestT = TypeVar("RequestT")
 
 
 class TtsDown(Exception):
@@ -52,6 +54,27 @@ class HistoryEntry:
     interrupted: bool = False  # an assistant reply the user spoke over: `text` is only what was heard
 
 
+@dataclass(frozen=True)
+class ReplyFrame:
+    """One 20 ms frame of the committed reply, as the session hands it to its playout."""
+
+    turn_index: int
+    seq: int
+    """Its place in the reply, from 0."""
+    speech: tts_pb2.SpeechFrame
+    """The audio and the text it speaks (`chunk_end`: the last frame of that text)."""
+
+    def event(self, sent_us: int) -> conversation_pb2.ConverseEvent:
+        """The frame as the Converse stream carries it, stamped with the time it leaves."""
+        frame = audio_pb2.AudioFrame()
+        frame.CopyFrom(self.speech.frame)
+        frame.seq = self.seq
+        frame.capture_time_us = sent_us
+        return conversation_pb2.ConverseEvent(
+            turn_index=self.turn_index, reply_audio=conversation_pb2.ReplyAudio(frame=frame, text=self.speech.text)
+        )
+
+
 @dataclass
 class Reply:
     """One attempt at answering a user turn: speculative until committed."""
@@ -63,12 +86,13 @@ class Reply:
     cancelled: bool = False
     llm_task: asyncio.Task[None] | None = None
     text: list[str] = field(default_factory=list)
-    frames: collections.deque[tts_pb2.SpeechFrame] = field(default_factory=collections.deque)
+    frames: collections.deque[tts_pb2.SpeechFrame] = field(default_factory=collections.deque)  # not yet released
     llm_done: bool = False
     tts_started: bool = False
     tts_done: bool = False
     spoken_chunks: list[str] = field(default_factory=list)
-    frames_sent: int = 0
+    frames_released: int = 0  # handed to the playout
+    frames_sent: int = 0  # played out by the transport
     # Metrics
     turn_index: int = 0
     usage: llm_pb2.Usage = field(default_factory=llm_pb2.Usage)
@@ -81,8 +105,8 @@ class Reply:
     committed_us: int = 0
     receipt_us: int = 0
 
-    def mark(self, milestone: str) -> None:
-        self.timeline.setdefault(milestone, epoch_us())
+    def mark(self, milestone: str, at_us: int | None = None) -> None:
+        self.timeline.setdefault(milestone, at_us or epoch_us())
 
 
 def _now_ms() -> float:
@@ -93,7 +117,8 @@ class Session:
     """The pipeline of one conversation, independent of the transport (gRPC Converse, WebSocket, WebRTC).
 
     The transport calls `push_frame` for each validated input frame and `finish` when the user's side ends,
-    and forwards `events` (ConverseEvent; a RequestError for a fatal problem; None at the end).
+    forwards `events` (ConverseEvent; a RequestError for a fatal problem; None at the end) and plays `playout`
+    (the reply's audio, which is not among the events).
     """
 
     def __init__(
@@ -121,7 +146,7 @@ class Session:
         self._discarded = 0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._last_event: asr_pb2.RecognizeEvent | None = None  # the ASR event being handled
-        self._audio_ready = asyncio.Event()
+        self.playout: Playout[ReplyFrame] = Playout(self._played)
         self._idle = asyncio.Event()
         self._idle.set()
         self._down: set[str] = set()
@@ -130,7 +155,6 @@ class Session:
         self._tasks = [
             asyncio.ensure_future(self._asr_loop()),
             asyncio.ensure_future(self._tts_loop()),
-            asyncio.ensure_future(self._playout_loop()),
         ]
 
     # ---- input -----------------------------------------------------------------------------------------
@@ -173,6 +197,7 @@ class Session:
             self._tick_handle.cancel()
         for reply in list(self._replies.values()):
             self._cancel_reply(reply)
+        self.playout.flush()
         if self._tts_queue is not None:
             self._tts_queue.put_nowait(None)
         for task in self._tasks:
@@ -269,11 +294,14 @@ class Session:
                     else:
                         self._commit(reply, user_text)
                 case turn.PausePlayout():
+                    self.playout.pause()
                     log.info("playout paused: speech over the reply", extra={"session_id": self.options.session_id})
                 case turn.ResumePlayout(_, reason):
                     telemetry.OVERLAPS.labels(reason).inc()
                     log.info("playout resumed", extra={"session_id": self.options.session_id, "reason": reason})
-                    self._audio_ready.set()
+                    self.playout.resume()
+                    if self._current is not None:
+                        self._finish_if_played(self._current)
                 case turn.Interrupt(reply_id):
                     if self._current is not None and self._current.utterance_id == reply_id:
                         self._interrupt(self._current)
@@ -347,7 +375,7 @@ class Session:
         self._idle.clear()
         if reply.text:
             self._emit(reply_text=conversation_pb2.ReplyText(text_delta="".join(reply.text)), turn=reply.turn_index)
-        self._audio_ready.set()
+        self._release(reply)
 
     def _messages(self, user_text: str) -> list[llm_pb2.ChatMessage]:
         messages = []
@@ -446,9 +474,13 @@ class Session:
         self._apply(self.turns.on_reply_failed(reply.utterance_id))
 
     def _interrupt(self, reply: Reply) -> None:
+        dropped = self.playout.flush()  # first: what was heard ends here
         spoken = " ".join(reply.spoken_chunks)
         self._cancel_reply(reply)
-        log.info("barge-in", extra={"session_id": self.options.session_id, "spoken_chars": len(spoken)})
+        log.info(
+            "barge-in",
+            extra={"session_id": self.options.session_id, "spoken_chars": len(spoken), "dropped_frames": dropped},
+        )
         telemetry.INTERRUPTIONS.inc()
         if reply.span is not None:
             reply.span.set_attribute("interrupted", True)
@@ -456,7 +488,11 @@ class Session:
         self._end_turn(reply, interrupted=True)
 
     def _end_turn(self, reply: Reply, interrupted: bool = False) -> None:
-        """History gets what was said aloud (marked when cut short); the turn's metrics go out; back to listening."""
+        """History gets what was said aloud (marked when cut short); the turn's metrics go out; back to listening.
+
+        Audio of the reply not played yet (a failed stage ends the turn too) is dropped."""
+        self.playout.flush()
+        self._replies.pop(reply.utterance_id, None)
         text = " ".join(reply.spoken_chunks)
         if text:
             self.history.append(HistoryEntry("assistant", text, interrupted))
@@ -520,66 +556,50 @@ class Session:
                 reply.metrics.tts_queue_ms = event.audio.timing.queue_ms
                 reply.metrics.tts_first_audio_ms = event.audio.timing.compute_ms
             reply.frames.append(event.audio)
-            self._audio_ready.set()
+            self._release(reply)
         elif kind == "done":
             reply = self._replies.get(event.done.utterance_id)
             if reply is not None:
                 reply.tts_done = True
-                self._audio_ready.set()
+                self._release(reply)
 
     # ---- playout -------------------------------------------------------------------------------------------
-    async def _playout_loop(self) -> None:
-        """Send the committed reply's frames at real-time pace (a short lead first), so a pause or a barge-in
-        stops the audio within one frame; after a pause the lead is sent again."""
-        next_due = 0.0
-        while True:
-            await self._audio_ready.wait()
-            self._audio_ready.clear()
-            reply = self._current
-            if reply is None or not reply.committed or reply.cancelled or self.turns.paused:
-                continue
-            if self.pipeline.buffer_whole_reply and not reply.tts_done:
-                continue
-            lead_from = time.monotonic() - LEAD_FRAMES * FRAME_S
-            next_due = max(next_due, lead_from)
-            while reply is self._current and reply.frames and not reply.cancelled and not self.turns.paused:
-                due = max(next_due, time.monotonic() - LEAD_FRAMES * FRAME_S)
-                if due > (now := time.monotonic()):
-                    await asyncio.sleep(due - now)
-                    if reply is not self._current or reply.cancelled or self.turns.paused:
-                        break  # barge-in or pause while waiting: stop within one frame
-                next_due = due + FRAME_S
-                self._send_audio(reply, reply.frames.popleft())
-            if self.turns.paused:
-                next_due = 0.0  # the listener's buffer runs dry during the pause: lead again on resume
-            elif (
-                reply is self._current
-                and not reply.cancelled
-                and reply.tts_done
-                and reply.llm_done
-                and not reply.frames
-            ):
-                self._emit(
-                    reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index
-                )
-                self._apply(self.turns.on_reply_done(reply.utterance_id))
+    def _release(self, reply: Reply) -> None:
+        """Hand the committed reply's frames to the playout as they come (all at once for `buffer_whole_reply`)."""
+        if reply is not self._current or reply.cancelled:
+            return  # speculative: held until it is committed, or dropped
+        if self.pipeline.buffer_whole_reply and not reply.tts_done:
+            return
+        while reply.frames:
+            self.playout.push(ReplyFrame(reply.turn_index, reply.frames_released, reply.frames.popleft()))
+            reply.frames_released += 1
+        self._finish_if_played(reply)
 
-    def _send_audio(self, reply: Reply, speech: tts_pb2.SpeechFrame) -> None:
-        sent_us = epoch_us()
-        frame = audio_pb2.AudioFrame()
-        frame.CopyFrom(speech.frame)
-        frame.seq = reply.frames_sent
-        frame.capture_time_us = sent_us
+    def _played(self, frame: ReplyFrame, sent_us: int) -> None:
+        """The transport sent a frame: it was heard, so its text counts as spoken (history, `interrupted`)."""
+        reply = self._current
+        if reply is None or reply.turn_index != frame.turn_index:
+            return  # it was on its way when its reply ended
         if reply.frames_sent == 0:
-            reply.mark("first_audio_sent")
+            reply.mark("first_audio_sent", sent_us)
             reply.first_sent_us = sent_us
         reply.frames_sent += 1
-        if speech.chunk_end:
-            reply.spoken_chunks.append(speech.text)
-        self._emit(reply_audio=conversation_pb2.ReplyAudio(frame=frame, text=speech.text), turn=reply.turn_index)
+        if frame.speech.chunk_end:
+            reply.spoken_chunks.append(frame.speech.text)
+        self._finish_if_played(reply)
+
+    def _finish_if_played(self, reply: Reply) -> None:
+        """The reply is done once all of it was generated, synthesized and played (a paused one waits for its
+        resume: the speech over it may yet interrupt it)."""
+        if reply is not self._current or reply.cancelled or self.turns.paused:
+            return
+        if not (reply.llm_done and reply.tts_done) or reply.frames or self.playout.queued:
+            return
+        self._emit(reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index)
+        self._apply(self.turns.on_reply_done(reply.utterance_id))
 
     # ---- events ----------------------------------------------------------------------------------------------
-    def _emit(self, turn: int | None = None, **event: object) -> None:
+    def _emit(self, turn: int | None = None, **event: Any) -> None:
         self.events.put_nowait(conversation_pb2.ConverseEvent(turn_index=self._turn if turn is None else turn, **event))
 
     def _emit_metrics(self, reply: Reply) -> None:
@@ -684,7 +704,7 @@ class Session:
         return True
 
 
-async def _drain(queue: asyncio.Queue[object], first: object) -> AsyncIterator[object]:
+async def _drain(queue: asyncio.Queue[RequestT | None], first: RequestT) -> AsyncIterator[RequestT]:
     """Request iterator of a long-lived stream: `first`, then the queue until None."""
     yield first
     while True:

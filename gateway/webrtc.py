@@ -1,9 +1,9 @@
 """The WebRTC door's media side (aiortc): one peer connection per browser session.
 
 The page's microphone arrives as an Opus track, decoded to 48 kHz and cut into 20 ms PCM16 frames for the session;
-reply audio goes back on an Opus track that plays the session's frames at real time (silence in between) and drops
-what is queued on barge-in; events go to the page as JSON on the "events" RTCDataChannel the page opens, and the
-page sends its control messages ({"type": "stop"}, {"type": "report", ...}) there too, as on the WebSocket.
+reply audio goes back on an Opus track whose media clock takes the session's playout one frame per tick (silence
+when there is none); events go to the page as JSON on the "events" RTCDataChannel the page opens, and the page
+sends its control messages ({"type": "stop"}, {"type": "report", ...}) there too, as on the WebSocket.
 Signalling (POST /api/offer) is in gateway/web.py.
 """
 
@@ -15,26 +15,26 @@ import fractions
 import json
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any
 
 import aioice.ice
 import av
-from aiortc import RTCConfiguration, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
+from gateway.browser import BrowserSession
+from gateway.playout import Playout
+from gateway.session import ReplyFrame
+from gateway.settings import GatewaySettings
 from voicemesh.audio import Framer, samples_per_frame
 from voicemesh.clients import epoch_us
 from voicemesh.errors import RequestError
-
-if TYPE_CHECKING:
-    from gateway.server import GatewaySettings
-    from gateway.web import BrowserSession
 
 log = logging.getLogger(__name__)
 
 INPUT_RATE_HZ = 48000  # Opus decodes at 48 kHz: the session takes the mic at that rate, no resampling here
 EVENTS_CHANNEL = "events"
-CLOSE_DRAIN_S = 10.0
 MAX_PENDING_EVENTS = 1000  # events held until the data channel opens
 ICE_SCHEMES = ("stun:", "turn:", "turns:")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -108,31 +108,21 @@ def parse_ice_servers(raw: str) -> list[dict[str, Any]]:
 
 
 class ReplyTrack(MediaStreamTrack):
-    """The reply as an audio track: the session's PCM16 at real time, 20 ms per frame, silence when there is none."""
+    """The reply as an audio track: each 20 ms tick of its media clock takes the playout's next frame, or silence.
+
+    RTP goes out at real time and the browser's jitter buffer does the rest, so the track sends no lead.
+    """
 
     kind = "audio"
 
-    def __init__(self, rate_hz: int) -> None:
+    def __init__(self, playout: Playout[ReplyFrame], rate_hz: int) -> None:
         super().__init__()
+        self.playout = playout
         self.rate_hz = rate_hz
         self._samples = samples_per_frame(rate_hz)
         self._frame_bytes = self._samples * 2
-        self._pending = bytearray()
         self._start_s: float | None = None
         self._pts = 0
-
-    @property
-    def queued_frames(self) -> int:
-        return -(-len(self._pending) // self._frame_bytes)
-
-    def push(self, pcm16: bytes) -> None:
-        self._pending += pcm16
-
-    def flush(self) -> int:
-        """Drop every queued frame (barge-in); returns how many."""
-        dropped = self.queued_frames
-        self._pending.clear()
-        return dropped
 
     async def recv(self) -> av.AudioFrame:
         if self.readyState != "live":
@@ -144,10 +134,10 @@ class ReplyTrack(MediaStreamTrack):
             delay = self._start_s + self._pts / self.rate_hz - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-        chunk = bytes(self._pending[: self._frame_bytes])
-        del self._pending[: self._frame_bytes]
+        reply = self.playout.take()
+        pcm16 = reply.speech.frame.data[: self._frame_bytes] if reply is not None else b""
         frame = av.AudioFrame(format="s16", layout="mono", samples=self._samples)
-        frame.planes[0].update(chunk + b"\x00" * (self._frame_bytes - len(chunk)))
+        frame.planes[0].update(pcm16 + b"\x00" * (self._frame_bytes - len(pcm16)))
         frame.pts = self._pts
         frame.sample_rate = self.rate_hz
         frame.time_base = fractions.Fraction(1, self.rate_hz)
@@ -163,8 +153,8 @@ class WebRtcPeer:
         # Always a list: given None, aiortc falls back to a public STUN server, which a gateway must not call
         # unless its operator configured it.
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=list(options.ice_servers)))
-        self.reply = ReplyTrack(browser.session.options.output_rate_hz)
-        self._channel: Any = None
+        self.reply = ReplyTrack(browser.session.playout, browser.session.options.output_rate_hz)
+        self._channel: RTCDataChannel | None = None
         self._pending: list[str] = []
         self._ended = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -199,17 +189,7 @@ class WebRtcPeer:
         elif len(self._pending) < MAX_PENDING_EVENTS:
             self._pending.append(text)
 
-    async def send_audio(self, pcm16: bytes, turn_index: int) -> None:
-        self.reply.push(pcm16)
-
-    def flush_audio(self) -> int:
-        return self.reply.flush()
-
     async def close(self, code: int, reason: str) -> None:
-        if code == 1000 and self.pc.connectionState == "connected":
-            deadline = time.monotonic() + CLOSE_DRAIN_S
-            while self.reply.queued_frames and not self._ended.is_set() and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)  # a finished reply plays to its end
         await self.send_json({"type": "closed", "code": code, "reason": reason})
         if self._channel is not None and self._channel.readyState == "open":
             for _ in range(25):  # SCTP sends asynchronously: give the last message a moment to leave
@@ -223,7 +203,7 @@ class WebRtcPeer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- events -------------------------------------------------------------------------------------------------
-    def _spawn(self, coroutine: Any) -> None:
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -238,6 +218,8 @@ class WebRtcPeer:
         try:
             while True:
                 frame = await track.recv()
+                if not isinstance(frame, av.AudioFrame):
+                    continue
                 for mono in resampler.resample(frame):
                     for pcm16 in framer.push(mono.to_ndarray().tobytes()):
                         # aiortc surfaces neither the browser's capture clock nor RTCP sender reports, so the
@@ -250,21 +232,21 @@ class WebRtcPeer:
             log.warning("microphone frame refused", extra={"session_id": self.session_id, "reason": error.message})
         self._ended.set()
 
-    def _on_datachannel(self, channel: Any) -> None:
+    def _on_datachannel(self, channel: RTCDataChannel) -> None:
         if channel.label != EVENTS_CHANNEL:
             return
         self._channel = channel
         pending, self._pending = self._pending, []
         for text in pending:
             channel.send(text)
+        channel.on("message", self._on_message)
 
-        @channel.on("message")
-        def on_message(message: object) -> None:
-            try:
-                control = json.loads(message) if isinstance(message, str) else None
-            except ValueError:
-                control = None
-            self._spawn(self.browser.control(control))
+    def _on_message(self, message: object) -> None:
+        try:
+            control = json.loads(message) if isinstance(message, str) else None
+        except ValueError:
+            control = None
+        self._spawn(self.browser.control(control))
 
     def _on_ice_state(self) -> None:
         log.info(

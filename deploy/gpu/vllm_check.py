@@ -24,6 +24,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the generated stubs are imported at run time only once the venv is known to have them
+    from voicemesh.v1.llm_pb2_grpc import GeneratorAsyncStub
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # voicemesh from this checkout when it is not installed
@@ -104,7 +108,7 @@ async def wait_serving(process: subprocess.Popen[bytes], target: str, timeout_s:
     return time.monotonic() - started
 
 
-async def one_request(stub: object, index: int, max_tokens: int, deadline_s: float) -> Reply:
+async def one_request(stub: GeneratorAsyncStub, index: int, max_tokens: int, deadline_s: float) -> Reply:
     from voicemesh.v1 import llm_pb2
 
     request = llm_pb2.GenerateRequest(
@@ -118,7 +122,7 @@ async def one_request(stub: object, index: int, max_tokens: int, deadline_s: flo
     sent = time.monotonic()
     first_ms = queue_ms = ttft_ms = None
     tokens, finish = 0, "none"
-    async for response in stub.Generate(request, timeout=deadline_s):  # type: ignore[attr-defined]
+    async for response in stub.Generate(request, timeout=deadline_s):
         now_ms = (time.monotonic() - sent) * 1000
         if first_ms is None:
             queue_ms, ttft_ms = response.queue_ms, response.ttft_ms
@@ -141,7 +145,7 @@ async def run_level(target: str, concurrency: int, requests: int, max_tokens: in
     replies: list[Reply] = []
     errors: list[str] = []
 
-    async def worker(stub: object) -> None:
+    async def worker(stub: GeneratorAsyncStub) -> None:
         for index in counter:
             try:
                 replies.append(await one_request(stub, index, max_tokens, deadline_s))

@@ -65,7 +65,8 @@ async def test_a_spoken_question_gets_a_spoken_reply_with_a_complete_turn_metric
     assert metrics.asr_compute_ms > 0 and metrics.llm_first_token_ms > 0 and metrics.tts_first_audio_ms > 0
     assert metrics.first_audio_sent_us > metrics.speech_end_capture_us > 0
     assert metrics.llm_replica and metrics.completion_tokens > 0 and metrics.reply_audio_ms > 0
-    assert turn.metrics.downlink_ms >= 0
+    assert turn.metrics.first_audio_received_us >= metrics.first_audio_sent_us, "the downlink was measured"
+    assert turn.metrics.downlink_ms < 1000
     # The stages that run one after another fit inside the gateway's V2V.
     assert metrics.llm_first_token_ms + metrics.tts_first_audio_ms < metrics.v2v_ms
     assert not any(isinstance(e, SessionError) for e in events)
@@ -106,9 +107,9 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(gateway) -> N
     assert len(spoken) < len(reply_text), "the reply was cut short"
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
     history = gateway.servicer.histories.get(session_id)
-    said = [entry for entry in history if entry.role == "assistant"]
-    if spoken:
-        assert said[0].text == spoken and said[0].interrupted, "only what was heard, marked as cut short"
+    # After the question: the reply as far as it was heard, marked as cut short; nothing if none of it was heard.
+    after_question = [(entry.text, entry.interrupted) for entry in history[1:2] if entry.role == "assistant"]
+    assert after_question == ([(spoken, True)] if spoken else []), "only what was heard, marked as cut short"
     assert any("wizard" in t.user_text.lower() for t in turns), "the interruption became the next turn"
 
 

@@ -1,75 +1,53 @@
-"""Session orchestration with fake backends: what reaches the ASR stream."""
+"""Session orchestration with fake backends: what reaches the ASR stream, and what the reply's playout is told
+(hand-over, interruption, pause and resume) as the transport plays it."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
 
 from gateway.options import PipelineOptions, SessionOptions
-from gateway.session import Session
-from voicemesh.v1 import asr_pb2, audio_pb2, tts_pb2
+from gateway.session import ReplyFrame, Session
+from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
+from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, tts_pb2
 
 
-class FakeStream:
-    """A streaming RPC that records the requests and answers nothing until they end."""
-
-    def __init__(self, requests: AsyncIterator[object], seen: list[object]) -> None:
-        self._requests = requests
-        self._seen = seen
-
-    def __aiter__(self) -> AsyncIterator[object]:
-        return self._run()
-
-    async def _run(self) -> AsyncIterator[object]:
-        async for request in self._requests:
-            self._seen.append(request)
-        return
-        yield  # an async generator that yields nothing
+def drain(session: Session) -> list[tuple[str, conversation_pb2.ConverseEvent]]:
+    events = []
+    while not session.events.empty():
+        event = session.events.get_nowait()
+        assert isinstance(event, conversation_pb2.ConverseEvent)
+        events.append((event.WhichOneof("event") or "", event))
+    return events
 
 
-class FakeStub:
-    def __init__(self, seen: list[object]) -> None:
-        self.seen = seen
+async def play(session: Session, frames: int) -> list[ReplyFrame]:
+    """Play `frames` frames of the reply as a transport does: each when the playout lets it go."""
+    played: list[ReplyFrame] = []
+    while len(played) < frames:
+        frame = session.playout.take()
+        if frame is None:
+            await asyncio.sleep(0.005)
+        else:
+            played.append(frame)
+    return played
 
-    def StreamingRecognize(self, requests: AsyncIterator[object]) -> FakeStream:
-        return FakeStream(requests, self.seen)
 
-    StreamingSynthesize = StreamingRecognize
-
-
-class FakeBackends:
-    """Backends whose first connection takes a while, as a real channel's does."""
-
-    def __init__(self, connect_s: float) -> None:
-        self.connect_s = connect_s
-        self.asr: list[object] = []
-        self.tts: list[object] = []
-
-    def pick(self, stage: str) -> str:
-        return stage
-
-    def candidates(self, stage: str) -> list[str]:
-        return [stage]
-
-    async def ready(self, target: str) -> None:
-        await asyncio.sleep(self.connect_s)
-
-    def recognizer(self, target: str) -> FakeStub:
-        return FakeStub(self.asr)
-
-    def synthesizer(self, target: str) -> FakeStub:
-        return FakeStub(self.tts)
-
-    @contextlib.contextmanager
-    def streaming(self, stage: str, target: str) -> Iterator[None]:
-        yield
+async def committed_reply(reply: str, **options: object) -> tuple[Session, FakeBackends]:
+    """A session whose user asked something and whose reply is committed and synthesized, nothing played yet."""
+    backends = FakeBackends(reply=reply)
+    session = Session(SessionOptions("s1", 16000, 16000, "", "", PipelineOptions(**options)), backends, history=[])  # type: ignore[arg-type]  # FakeBackends fakes the three streams; it is no Backends
+    await until(lambda: backends.tts_connected)
+    backends.say(speech_started=asr_pb2.SpeechStarted())
+    backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it"))
+    backends.say(final=asr_pb2.Final(text="what time is it"))
+    await until(lambda: session.playout.queued == len(reply.split()) * FRAMES_PER_WORD)
+    return session, backends
 
 
 async def test_frames_sent_while_the_asr_stream_connects_are_not_lost() -> None:
     backends = FakeBackends(connect_s=0.1)
     options = SessionOptions("s1", 16000, 16000, "", "", PipelineOptions())
-    session = Session(options, backends, history=[])  # type: ignore[arg-type]
+    session = Session(options, backends, history=[])  # type: ignore[arg-type]  # FakeBackends fakes the three streams; it is no Backends
     for index in range(10):  # 200 ms of audio before the ASR stream is up
         session.push_frame(audio_pb2.AudioFrame(data=bytes([index]) * 640, seq=index, capture_time_us=1000 + index))
     await asyncio.sleep(0.2)
@@ -84,3 +62,62 @@ async def test_frames_sent_while_the_asr_stream_connects_are_not_lost() -> None:
     assert [f.data[0] for f in frames] == list(range(15))  # in order, none lost
     assert [f.capture_time_us for f in frames] == [1000 + i for i in range(15)]
     assert isinstance(backends.tts[0], tts_pb2.SynthesizeRequest)
+
+
+async def test_the_reply_is_handed_to_the_playout_and_is_done_only_once_the_transport_played_it() -> None:
+    session, _ = await committed_reply("Hello there friend.")
+    try:
+        events = drain(session)
+        kinds = [kind for kind, _ in events]
+        assert kinds[0] == "user_final" and set(kinds[1:]) == {"reply_text"}, "no audio among the events"
+        frames = await play(session, 2 * FRAMES_PER_WORD)
+        assert [(f.turn_index, f.seq) for f in frames] == [(0, i) for i in range(2 * FRAMES_PER_WORD)]
+        assert drain(session) == [], "not done while audio is still queued"
+        await play(session, FRAMES_PER_WORD)
+        events = drain(session)
+        assert [kind for kind, _ in events] == ["reply_done", "metrics"]
+        assert events[0][1].reply_done.text == "Hello there friend."
+        metrics = events[1][1].metrics
+        assert metrics.reply_audio_ms == 3 * FRAMES_PER_WORD * 20 and metrics.first_audio_sent_us > 0
+        assert [(e.role, e.text, e.interrupted) for e in session.history] == [
+            ("user", "what time is it", False),
+            ("assistant", "Hello there friend.", False),
+        ]
+    finally:
+        await session.close()
+
+
+async def test_an_interruption_drops_the_queued_audio_at_once_and_keeps_only_what_was_heard() -> None:
+    session, backends = await committed_reply("One two three four five six.")
+    try:
+        await play(session, 2 * FRAMES_PER_WORD)  # "One two" was heard
+        drain(session)
+        backends.say(partial=asr_pb2.Partial(text="no wait"))
+        await until(lambda: not session.events.empty())
+        assert session.playout.queued == 0 and session.playout.take() is None, "nothing more of the reply leaves"
+        events = drain(session)
+        assert events[0][0] == "user_partial" and events[1][0] == "interrupted"
+        assert events[1][1].interrupted.spoken_text == "One two"
+        assert session.history[-1].text == "One two" and session.history[-1].interrupted
+    finally:
+        await session.close()
+
+
+async def test_a_pause_holds_the_audio_and_the_resume_plays_on_from_where_it_paused() -> None:
+    session, backends = await committed_reply(
+        "One two three four.", barge_in_min_speech_ms=50, false_interruption_timeout_ms=100
+    )
+    try:
+        await play(session, FRAMES_PER_WORD)
+        backends.say(speech_started=asr_pb2.SpeechStarted())  # over the reply, and no words come: a cough
+        await until(lambda: session.playout.paused)
+        assert session.playout.take() is None and session.playout.queued == 3 * FRAMES_PER_WORD
+        await until(lambda: not session.playout.paused)
+        frames = await play(session, 3 * FRAMES_PER_WORD)
+        assert [f.seq for f in frames] == list(range(FRAMES_PER_WORD, 4 * FRAMES_PER_WORD)), "on from where it paused"
+        events = drain(session)
+        assert [kind for kind, _ in events][-2:] == ["reply_done", "metrics"]
+        assert "interrupted" not in [kind for kind, _ in events]
+        assert session.history[-1].text == "One two three four." and not session.history[-1].interrupted
+    finally:
+        await session.close()

@@ -1,4 +1,5 @@
-"""The browser doors' parts without a network: origin policy, frame parsing, event JSON, pacing, the reply track."""
+"""The browser doors' parts without a network: origin policy, frame parsing, event JSON, the WebSocket transport
+over the playout, the WebRTC reply track, ICE settings."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import grpc
 import numpy as np
 import pytest
 
-from gateway.server import GatewaySettings
-from gateway.web import FRAME_HEADER, OriginPolicy, PacedDownlink, event_message, parse_uplink_frame
+from gateway.origins import OriginPolicy
+from gateway.playout import Playout
+from gateway.protocol import FRAME_HEADER, event_message, parse_uplink_frame
+from gateway.session import ReplyFrame
+from gateway.settings import GatewaySettings
 from gateway.webrtc import ReplyTrack, WebRtcOptions, parse_ice_servers
+from gateway.websocket import WebSocketTransport
 from voicemesh.errors import RequestError
-from voicemesh.v1 import conversation_pb2
+from voicemesh.v1 import audio_pb2, conversation_pb2, tts_pb2
 
 
 def test_origin_policy_allows_its_own_page_the_configured_ones_and_non_browsers() -> None:
@@ -51,44 +56,77 @@ def test_events_become_flat_json_with_every_field_and_exact_microseconds() -> No
     assert partial == {"type": "user_partial", "turn_index": 0, "text": "the child", "stable_prefix": ""}
 
 
-async def test_the_downlink_sends_a_lead_then_paces_and_a_flush_drops_only_audio() -> None:
-    sent: list[tuple[str, object]] = []
+def reply_frame(index: int, pcm16: bytes = b"\x01\x00" * 960, turn_index: int = 0) -> ReplyFrame:
+    speech = tts_pb2.SpeechFrame(frame=audio_pb2.AudioFrame(data=pcm16), text=f"word{index}", chunk_end=True)
+    return ReplyFrame(turn_index, index, speech)
 
-    async def send(kind: str, payload: object) -> None:
-        sent.append((kind, payload))
 
+class FakeWebSocket:
+    """What WebSocketTransport uses of aiohttp's WebSocketResponse, recording what was sent."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.sent: list[tuple[str, object]] = []
+        self.close_code: int | None = None
+
+    async def send_bytes(self, data: bytes) -> None:
+        sent_us, turn_index = FRAME_HEADER.unpack_from(data)
+        assert sent_us > 0 and len(data) == FRAME_HEADER.size + 1920
+        self.sent.append(("audio", turn_index))
+
+    async def send_str(self, data: str) -> None:
+        self.sent.append(("text", json.loads(data)["type"]))
+
+    async def close(self, code: int, message: bytes) -> None:
+        self.closed, self.close_code = True, code
+
+
+async def test_the_websocket_sends_events_at_once_and_audio_from_the_playout_and_a_flush_drops_only_audio() -> None:
+    ws = FakeWebSocket()
+    played: list[int] = []
     # A pace far slower than the test: the frame due now and the 5-frame lead leave at once, then nothing more.
-    downlink = PacedDownlink(send, frame_s=30.0, lead_frames=5)
-    runner = asyncio.ensure_future(downlink.run())
-    try:
-        for index in range(12):
-            downlink.push("audio", index)
-        downlink.push("text", "interrupted")
-        downlink.push("text", "metrics")
-        while len(sent) < 6:
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        assert sent == [("audio", i) for i in range(6)]
-        assert downlink.queued_audio == 6
-        assert downlink.flush() == 6
-        await asyncio.wait_for(downlink.drain(), 5)
-        assert sent[6:] == [("text", "interrupted"), ("text", "metrics")]
-    finally:
-        runner.cancel()
+    playout: Playout[ReplyFrame] = Playout(lambda frame, sent_us: played.append(frame.seq), 30.0, 5)
+    transport = WebSocketTransport(ws, playout)
+    for index in range(12):
+        playout.push(reply_frame(index, turn_index=3))
+    while len(ws.sent) < 6:
+        await asyncio.sleep(0.01)
+    await transport.send_json({"type": "user_partial"})
+    assert ws.sent == [("audio", 3)] * 6 + [("text", "user_partial")], "events do not wait behind queued audio"
+    assert played == list(range(6)) and playout.queued == 6
+    assert playout.flush() == 6
+    await transport.send_json({"type": "interrupted"})
+    await asyncio.sleep(0.05)
+    assert ws.sent[7:] == [("text", "interrupted")], "nothing of the flushed reply follows"
+    await transport.close(4409, "taken over")
+    assert ws.close_code == 4409
+    playout.push(reply_frame(99))
+    await asyncio.sleep(0.05)
+    assert ws.sent[-1] == ("text", "interrupted"), "a closed transport plays nothing more"
 
 
-async def test_the_reply_track_plays_what_it_is_given_then_silence_and_flushes_at_once() -> None:
-    track = ReplyTrack(48000)
-    tone = (np.ones(960 * 2 + 480, np.int16) * 1000).tobytes()
-    track.push(tone)
-    assert track.queued_frames == 3
+async def test_the_reply_track_takes_a_frame_per_tick_pads_with_silence_pauses_and_flushes() -> None:
+    played: list[int] = []
+    playout: Playout[ReplyFrame] = Playout(lambda frame, sent_us: played.append(frame.seq))
+    track = ReplyTrack(playout, 48000)
+    tone = (np.ones(960, np.int16) * 1000).tobytes()
+    playout.push(reply_frame(0, tone))
+    playout.push(reply_frame(1, tone))
+    playout.push(reply_frame(2, tone[:960]))  # half a frame: padded with silence
     frames = [await track.recv() for _ in range(4)]
     samples = [frame.to_ndarray().reshape(-1) for frame in frames]
     assert all(frame.samples == 960 and frame.sample_rate == 48000 for frame in frames)
     assert [int(np.count_nonzero(s)) for s in samples] == [960, 960, 480, 0]
     assert frames[1].pts - frames[0].pts == 960
-    track.push(tone)
-    assert track.flush() == 3 and track.queued_frames == 0
+    assert played == [0, 1, 2]
+    for index in range(3, 6):
+        playout.push(reply_frame(index, tone))
+    playout.pause()
+    assert not np.any((await track.recv()).to_ndarray()), "silence while paused"
+    playout.resume()
+    assert np.count_nonzero((await track.recv()).to_ndarray()) == 960
+    assert played == [0, 1, 2, 3], "resumed with the frame it paused at"
+    assert playout.flush() == 2
     assert not np.any((await track.recv()).to_ndarray())
     track.stop()
 
