@@ -15,8 +15,9 @@ from collections.abc import AsyncGenerator, Iterator
 import grpc
 from grpc_health.v1 import health_pb2
 
+from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.routing import ReplicaLoad, ReplicaSet
-from voicemesh.serving import channel_options, health_check
+from voicemesh.serving import health_check
 from voicemesh.v1 import asr_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,15 @@ class Backends:
     """Replica sets and one channel per replica, shared by every session of this gateway."""
 
     def __init__(
-        self, asr_spec: str, llm_spec: str, tts_spec: str, refresh_s: float = 10.0, health_interval_s: float = 2.0
+        self,
+        asr_spec: str,
+        llm_spec: str,
+        tts_spec: str,
+        refresh_s: float = 10.0,
+        health_interval_s: float = 2.0,
+        credentials: Credentials = PLAINTEXT,
     ) -> None:
+        self.credentials = credentials  # TLS to the services and the token they want
         self.sets = {
             "asr": ReplicaSet(asr_spec, refresh_s),
             "llm": ReplicaSet(llm_spec, refresh_s),
@@ -73,8 +81,12 @@ class Backends:
 
     def channel(self, target: str) -> grpc.aio.Channel:
         if target not in self._channels:
-            self._channels[target] = grpc.aio.insecure_channel(target, options=channel_options())
+            self._channels[target] = self.credentials.channel(target)
         return self._channels[target]
+
+    def metadata(self, extra: list[tuple[str, str]] | None = None) -> tuple[tuple[str, str], ...]:
+        """Call metadata for a service: its token, if any, and `extra` (a turn's trace context)."""
+        return (*self.credentials.metadata(), *(extra or ()))
 
     def mark_down(self, stage: str, target: str) -> None:
         load = self.sets[stage].replicas.get(target)
@@ -124,7 +136,7 @@ class Backends:
         """
         last_error: grpc.aio.AioRpcError | None = None
         for target in self.llm_order(request.session_id):
-            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request, metadata=metadata or None)
+            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request, metadata=self.metadata(metadata))
             try:
                 try:
                     first = await anext(aiter(call))

@@ -31,13 +31,14 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
         request_iterator: AsyncIterator[conversation_pb2.ConverseRequest],
         context: grpc.aio.ServicerContext[conversation_pb2.ConverseRequest, conversation_pb2.ConverseEvent],
     ) -> AsyncIterator[conversation_pb2.ConverseEvent]:
-        self.registry.check_token(_authorization(context))
+        principal = self.registry.authenticate(_authorization(context), "grpc")
+        self.registry.admit(principal, _address(context.peer()))
         first = await anext(aiter(request_iterator), None)
         if first is None:
             return
         if first.WhichOneof("request") != "config":
             raise precondition("the first message must be a SessionConfig; got an audio frame")
-        session = await self.registry.open_session(first.config, door="grpc")
+        session = await self.registry.open_session(first.config, door="grpc", principal=principal)
         checker = FrameChecker(session.options.input_rate_hz)
 
         async def read() -> None:
@@ -67,6 +68,12 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
             await asyncio.gather(player, return_exceptions=True)
             await self.registry.end_session(session)
             log.info("session ended", extra={"session_id": session.options.session_id, "frames": checker.frames})
+
+
+def _address(peer: str) -> str:
+    """The client's address from gRPC's peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"), port dropped."""
+    address = peer.partition(":")[2] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    return address.rpartition(":")[0] or address
 
 
 def _authorization(

@@ -1,12 +1,15 @@
 """The gateway's sessions, whichever door they came in by: one per conversation id, one limit for all doors, the
-histories kept for reconnects, and the token check."""
+conversations kept for their owners' reconnects, credentials and the per-client start rate."""
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import hmac
 import logging
+import secrets
 import uuid
+from dataclasses import dataclass
 
 import grpc
 
@@ -15,25 +18,75 @@ from gateway.options import resolve
 from gateway.session import HistoryEntry, Session
 from gateway.settings import GatewaySettings
 from voicemesh import telemetry
+from voicemesh.auth import Principal, Unauthenticated
 from voicemesh.errors import RequestError
+from voicemesh.ratelimit import RateLimiter
+from voicemesh.serving import authenticator_for
 from voicemesh.v1 import conversation_pb2
 
 log = logging.getLogger(__name__)
 
+ANONYMOUS = Principal("")
+RESUME_TOKEN_BYTES = 24
+START_BURST = 10
 
-class HistoryStore:
-    """Dialogue histories by session id, so a client that reconnects with its id continues the conversation."""
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+class RateLimited(RequestError):
+    """A client over its session-start rate (RESOURCE_EXHAUSTED; HTTP 429 with Retry-After)."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"too many sessions started from this client; retry in {max(1, round(retry_after_s))} s",
+        )
+
+
+@dataclass
+class Conversation:
+    """What the gateway keeps of a conversation between connections: its history and who owns it."""
+
+    history: list[HistoryEntry]
+    subject: str
+    """The JWT subject that started it ("" with the static token or no auth)."""
+    resume_digest: bytes
+    """SHA-256 of the resume token last issued for it; the token itself is only ever sent to its owner."""
+
+    def owned_by(self, principal: Principal, resume_token: str) -> bool:
+        if self.subject and principal.subject == self.subject:
+            return True
+        return bool(resume_token) and hmac.compare_digest(_digest(resume_token), self.resume_digest)
+
+    def new_resume_token(self) -> str:
+        token = secrets.token_urlsafe(RESUME_TOKEN_BYTES)
+        self.resume_digest = _digest(token)
+        return token
+
+
+class ConversationStore:
+    """Conversations by session id, so that their owner can reconnect and go on; the least recently used go
+    first beyond `capacity`."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._histories: collections.OrderedDict[str, list[HistoryEntry]] = collections.OrderedDict()
+        self._conversations: collections.OrderedDict[str, Conversation] = collections.OrderedDict()
 
-    def get(self, session_id: str) -> list[HistoryEntry]:
-        history = self._histories.pop(session_id, [])
-        self._histories[session_id] = history
-        while len(self._histories) > self.capacity:
-            self._histories.popitem(last=False)
-        return history
+    def find(self, session_id: str) -> Conversation | None:
+        conversation = self._conversations.get(session_id)
+        if conversation is not None:
+            self._conversations.move_to_end(session_id)
+        return conversation
+
+    def create(self, session_id: str, subject: str) -> Conversation:
+        conversation = Conversation([], subject, b"")
+        self._conversations[session_id] = conversation
+        while len(self._conversations) > self.capacity:
+            self._conversations.popitem(last=False)
+        return conversation
 
 
 class SessionRegistry:
@@ -42,26 +95,52 @@ class SessionRegistry:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.backends: Backends | None = None
-        self.histories = HistoryStore(settings.remembered_sessions)
+        self.conversations = ConversationStore(settings.remembered_sessions)
         self.active: dict[str, Session] = {}
+        self.authenticator = authenticator_for(settings)
+        self._starts = RateLimiter(settings.session_starts_per_minute, START_BURST)
 
-    def check_token(self, authorization: str) -> None:
-        """With auth_token set, `Bearer <token>` must match (compared in constant time)."""
-        expected = self.settings.auth_token
-        if expected and not hmac.compare_digest(authorization.encode(), f"Bearer {expected}".encode()):
-            raise RequestError(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token: send metadata authorization: Bearer <token>"
-            )
+    def authenticate(self, authorization: str, door: str) -> Principal:
+        """The caller behind an `authorization` value; a bare UNAUTHENTICATED (counted, reason logged) if none."""
+        try:
+            return self.authenticator.verify(authorization)
+        except Unauthenticated as refused:
+            telemetry.UNAUTHENTICATED.labels(door).inc()
+            log.info("unauthenticated", extra={"door": door, "reason": str(refused)})
+            raise RequestError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated") from refused
 
-    async def open_session(self, session_config: conversation_pb2.SessionConfig, door: str) -> Session:
-        """A new session for any front door: config checked, the session limit applied, history restored.
+    def admit(self, principal: Principal, address: str) -> None:
+        """A session start (or WebRTC offer) within the per-client rate: by token subject, else by address."""
+        client = f"sub:{principal.subject}" if principal.subject else f"ip:{address}"
+        if not self._starts.allow(client):
+            raise RateLimited(self._starts.retry_after_s(client))
 
-        A session with the same id that is still open (a reconnect, or the page moving from WebRTC to WebSocket)
-        is taken over: it is closed and its event stream ends, and the new one continues its history.
-        Raises RequestError for a bad config or a full gateway.
+    async def open_session(
+        self,
+        session_config: conversation_pb2.SessionConfig,
+        door: str,
+        principal: Principal = ANONYMOUS,
+    ) -> Session:
+        """A new session for any front door: config checked, ownership proven, the session limit applied, history
+        restored.
+
+        Resuming an existing id needs its resume token (or the JWT subject that started it); otherwise it is
+        PERMISSION_DENIED and the owner's session goes on undisturbed. A session of the owner's that is still
+        open (a reconnect, or the page moving from WebRTC to WebSocket) is taken over: it is closed, its event
+        stream ends, and the new one continues its history. Raises RequestError for a bad config, a takeover
+        attempt or a full gateway.
         """
         options = resolve(session_config, uuid.uuid4().hex[:16])
         assert self.backends is not None, "sessions open only after the backends are up"
+        conversation = self.conversations.find(options.session_id)
+        if conversation is not None and not conversation.owned_by(principal, session_config.resume_token):
+            telemetry.TAKEOVERS_REFUSED.labels(door).inc()
+            log.warning("session takeover refused", extra={"session_id": options.session_id, "door": door})
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"session_id {options.session_id!r} belongs to another caller: send the resume_token its start "
+                "gave you, or leave session_id empty for a new session",
+            )
         if options.session_id not in self.active and len(self.active) >= self.settings.max_sessions:
             raise RequestError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -71,8 +150,14 @@ class SessionRegistry:
         if previous is not None:
             await previous.close()
             previous.events.put_nowait(None)  # its transport ends; this one takes over
-        history = self.histories.get(options.session_id)
-        session = Session(options, self.backends, history, transport=door)
+        if conversation is None:
+            conversation = self.conversations.create(options.session_id, principal.subject)
+        resume_token = conversation.new_resume_token()
+        history = conversation.history
+        session = Session(
+            options, self.backends, history, transport=door, log_transcripts=self.settings.log_transcripts
+        )
+        session.resume_token = resume_token
         self.active[options.session_id] = session
         telemetry.SESSIONS.labels(door).inc()
         telemetry.ACTIVE_SESSIONS.set(len(self.active))
@@ -80,12 +165,16 @@ class SessionRegistry:
             "session started",
             extra={"session_id": options.session_id, "door": door, "history_turns": len(history) // 2},
         )
-        session.events.put_nowait(
-            conversation_pb2.ConverseEvent(
-                started=conversation_pb2.SessionStarted(session_id=options.session_id, history_turns=len(history) // 2)
-            )
+        started = conversation_pb2.SessionStarted(
+            session_id=options.session_id, history_turns=len(history) // 2, resume_token=resume_token
         )
+        session.events.put_nowait(conversation_pb2.ConverseEvent(started=started))
         return session
+
+    def history(self, session_id: str) -> list[HistoryEntry]:
+        """The history kept for `session_id` (empty if none)."""
+        conversation = self.conversations.find(session_id)
+        return [] if conversation is None else conversation.history
 
     def current(self, session: Session) -> bool:
         """Still the gateway's session for its id (not ended, not taken over by a newer connection)."""

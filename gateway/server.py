@@ -11,7 +11,9 @@ from gateway.registry import SessionRegistry
 from gateway.settings import GatewaySettings
 from gateway.web import WebDoor
 from voicemesh import config, serving
+from voicemesh.clients import Credentials
 from voicemesh.serving import Server
+from voicemesh.tls import ClientTls
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 
 __all__ = ["GatewayServer", "GatewaySettings", "build_server", "main"]  # what embedders and tests import from here
@@ -40,7 +42,9 @@ def build_server(settings: GatewaySettings) -> GatewayServer:
 
     async def load() -> None:
         # Channels belong to the serving event loop, so they are made here, not before it runs.
-        registry.backends = Backends(settings.asr_target, settings.llm_target, settings.tts_target)
+        registry.backends = Backends(
+            settings.asr_target, settings.llm_target, settings.tts_target, credentials=service_credentials(settings)
+        )
         await registry.backends.start()
         if settings.http_port >= 0:
             server.http = WebDoor(registry, settings)
@@ -59,6 +63,14 @@ def build_server(settings: GatewaySettings) -> GatewayServer:
         unload,
     )
     return server
+
+
+def service_credentials(settings: GatewaySettings) -> Credentials:
+    """How the gateway reaches its services: TLS when given a CA (mutual with a certificate), and their token."""
+    tls = None
+    if settings.service_tls_ca or settings.service_tls_cert:
+        tls = ClientTls(settings.service_tls_ca, settings.service_tls_cert, settings.service_tls_key)
+    return Credentials(tls, settings.service_token)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

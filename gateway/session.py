@@ -122,9 +122,16 @@ class Session:
     """
 
     def __init__(
-        self, options: SessionOptions, backends: Backends, history: list[HistoryEntry], transport: str = "grpc"
+        self,
+        options: SessionOptions,
+        backends: Backends,
+        history: list[HistoryEntry],
+        transport: str = "grpc",
+        log_transcripts: bool = False,
     ) -> None:
         self.options = options
+        self.log_transcripts = log_transcripts  # what was said, in the turn's log line: personal data
+        self.resume_token = ""  # the secret that lets this session's owner resume it (set by the registry)
         self.pipeline = options.pipeline
         self.backends = backends
         self.history = history
@@ -222,7 +229,7 @@ class Session:
             try:
                 await self.backends.ready(target)
                 call = self.backends.recognizer(target).StreamingRecognize(
-                    _drain(queue, asr_pb2.RecognizeRequest(config=config))
+                    _drain(queue, asr_pb2.RecognizeRequest(config=config)), metadata=self.backends.metadata()
                 )
                 self._asr_queue, self._asr_seq, self._asr_base_ms = queue, 0, self._audio_ms
                 backlog, self._asr_backlog = self._asr_backlog or (), None
@@ -522,7 +529,7 @@ class Session:
             try:
                 await self.backends.ready(target)
                 call = self.backends.synthesizer(target).StreamingSynthesize(
-                    _drain(queue, tts_pb2.SynthesizeRequest(config=config))
+                    _drain(queue, tts_pb2.SynthesizeRequest(config=config)), metadata=self.backends.metadata()
                 )
                 self._tts_queue = queue
                 self._recovered("tts")
@@ -615,6 +622,9 @@ class Session:
         self._emit(metrics=metrics, turn=reply.turn_index)
         self._record_turn(reply)
         origin = metrics.speech_end_capture_us
+        spoken = (
+            {"user_text": reply.user_text, "reply_text": " ".join(reply.spoken_chunks)} if self.log_transcripts else {}
+        )
         log.info(
             "turn",
             extra={
@@ -622,6 +632,7 @@ class Session:
                 "turn": reply.turn_index,
                 "v2v_ms": round(metrics.v2v_ms, 1),
                 "timeline_ms": {k: round((v - origin) / 1000, 1) for k, v in reply.timeline.items()},
+                **spoken,
             },
         )
 

@@ -18,17 +18,12 @@ class GatewaySettings(config.ServerSettings):
     )
     tts_target: str = config.setting("127.0.0.1:50063", "TTS replicas: host:port[,host:port] or dns:///name:port")
     max_sessions: int = config.setting(64, "concurrent sessions; more are refused with RESOURCE_EXHAUSTED")
-    auth_token: str = config.setting(
-        "",
-        "if set, clients must send `authorization: Bearer <token>` (gRPC metadata or HTTP header; the page "
-        "passes it as ?token=); empty = no auth",
-    )
     remembered_sessions: int = config.setting(10_000, "histories kept for reconnects (least recently used go first)")
     http_port: int = config.setting(
         8080, "HTTP port of the browser doors (page, /api/offer, /api/ws); -1 = off; with --port 0 it is 0 too"
     )
     ice_servers: str = config.setting(
-        "[]", 'STUN/TURN servers for WebRTC as JSON: [{"urls": "turn:host:3478", "username": "u", "credential": "p"}]'
+        "[]", 'STUN servers for WebRTC as JSON: [{"urls": "stun:host:3478"}] (TURN: turn_secret and turn_urls)'
     )
     ice_host_addresses: str = config.setting(
         "", "comma-separated ICE host candidate addresses; empty = 127.0.0.1 when host is loopback, else all interfaces"
@@ -37,4 +32,16 @@ class GatewaySettings(config.ServerSettings):
         "", "comma-separated page origins allowed besides the gateway's own (e.g. https://app.example.com; * = any)"
     )
     idle_timeout_s: float = config.setting(60.0, "a browser session that sends no audio this long is closed")
+    session_starts_per_minute: float = config.setting(
+        30.0, "sessions (and WebRTC offers) one client may start per minute, in bursts of 10; by token subject or IP"
+    )
+    service_token: str = config.setting("", "bearer token sent to the ASR, LLM and TTS services (their auth_token)")
+    service_tls_ca: str = config.setting("", "PEM CA the services' certificates are checked against: TLS to them")
+    service_tls_cert: str = config.setting("", "PEM client certificate the gateway shows the services (mutual TLS)")
+    service_tls_key: str = config.setting("", "the key of service_tls_cert")
+    turn_secret: str = config.setting(
+        "", "shared secret of a TURN server (coturn use-auth-secret): pages get credentials valid for turn_ttl_s"
+    )
+    turn_urls: str = config.setting("", "comma-separated turn:/turns: URLs the credentials are for")
+    turn_ttl_s: float = config.setting(3600.0, "lifetime of the TURN credentials handed to an authenticated page")
     webrtc_connect_timeout_s: float = config.setting(3.0, "the page moves to WebSocket if WebRTC is not up by then")

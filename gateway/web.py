@@ -20,13 +20,16 @@ from aiohttp import web
 from gateway.browser import BrowserSession, Transport
 from gateway.origins import OriginPolicy
 from gateway.protocol import CLOSE_BAD_REQUEST, MAX_MESSAGE_BYTES, session_config
-from gateway.registry import SessionRegistry
+from gateway.registry import RateLimited, SessionRegistry
 from gateway.settings import GatewaySettings
 from gateway.webrtc import INPUT_RATE_HZ, WebRtcOptions, WebRtcPeer
 from gateway.websocket import WebSocketTransport, read_websocket, refuse_websocket, start_message
 from voicemesh.audio import FRAME_MS
+from voicemesh.auth import Principal, turn_credentials
 from voicemesh.errors import RequestError, invalid
 from voicemesh.limits import INPUT_RATES
+from voicemesh.serving import server_tls
+from voicemesh.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class WebDoor:
         self.webrtc = WebRtcOptions.from_settings(settings)
         self.webrtc.install()
         self.port = 0
+        self.scheme = "http"
         self._runner: web.AppRunner | None = None
         self._browsers: set[BrowserSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -65,7 +69,11 @@ class WebDoor:
     async def start(self, port: int) -> int:
         runner = web.AppRunner(self.app(), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.settings.host, port)
+        tls = server_tls(self.settings)
+        # Browsers present no client certificates: the HTTP door uses the certificate without the client CA.
+        context = ServerTls(tls.cert_file, tls.key_file).ssl_context() if tls else None
+        self.scheme = "https" if tls else "http"
+        site = web.TCPSite(runner, self.settings.host, port, ssl_context=context)
         try:
             await site.start()
         except OSError as error:
@@ -73,7 +81,7 @@ class WebDoor:
             raise SystemExit(f"cannot bind HTTP {self.settings.host}:{port}: {error.strerror}") from error
         self._runner = runner
         self.port = runner.addresses[0][1]
-        log.info("browser doors listening", extra={"url": f"http://{self._page_host()}:{self.port}/"})
+        log.info("browser doors listening", extra={"url": f"{self.scheme}://{self._page_host()}:{self.port}/"})
         return self.port
 
     def _page_host(self) -> str:
@@ -93,15 +101,28 @@ class WebDoor:
         return web.FileResponse(STATIC_DIR / "index.html", headers={"Cache-Control": "no-cache"})
 
     async def _config(self, request: web.Request) -> web.Response:
+        """The page's settings; with auth on, only for a caller with a credential (they include TURN's)."""
+        try:
+            principal = self.registry.authenticate(request.headers.get("Authorization", ""), "config")
+        except RequestError as error:
+            return _error_response(error)
         return web.json_response(
             {
-                "ice_servers": self.webrtc.page_ice_servers,
+                "ice_servers": [*self.webrtc.page_ice_servers, *self._turn_servers(principal)],
                 "webrtc_connect_timeout_s": self.settings.webrtc_connect_timeout_s,
                 "idle_timeout_s": self.settings.idle_timeout_s,
                 "frame_ms": FRAME_MS,
                 "input_sample_rates_hz": list(INPUT_RATES.allowed),
             }
         )
+
+    def _turn_servers(self, principal: Principal) -> list[dict[str, str | list[str]]]:
+        """Short-lived TURN credentials for this caller (the TURN REST API scheme), if a TURN server is set."""
+        urls = [url.strip() for url in self.settings.turn_urls.split(",") if url.strip()]
+        if not (self.settings.turn_secret and urls):
+            return []
+        username, credential = turn_credentials(self.settings.turn_secret, principal.subject, self.settings.turn_ttl_s)
+        return [{"urls": urls, "username": username, "credential": credential}]
 
     async def _ice_state(self, request: web.Request) -> web.Response:
         """The page reports its side's ICE state; logged next to the gateway's own."""
@@ -128,7 +149,8 @@ class WebDoor:
         """WebRTC signalling: the page's SDP offer in, the gateway's answer out (non-trickle ICE)."""
         try:
             self.origins.check(request.headers.get("Origin"), request.host)
-            self.registry.check_token(_authorization(request))
+            principal = self.registry.authenticate(request.headers.get("Authorization", ""), "offer")
+            self.registry.admit(principal, request.remote or "")
             try:
                 body = await request.json()
             except ValueError as error:
@@ -137,7 +159,7 @@ class WebDoor:
                 raise invalid("send {sdp, type: 'offer', config}: an SDP offer of type 'offer'")
             config = session_config(body.get("config"))
             config.input_sample_rate_hz = INPUT_RATE_HZ  # the mic track is decoded from Opus at 48 kHz
-            session = await self.registry.open_session(config, door="webrtc")
+            session = await self.registry.open_session(config, door="webrtc", principal=principal)
         except RequestError as error:
             log.info("offer refused", extra={"code": error.code.name, "reason": error.message})
             return _error_response(error)
@@ -145,12 +167,21 @@ class WebDoor:
         peer = WebRtcPeer(self.webrtc, browser)
         try:
             answer = await peer.answer(body["sdp"])
-        except ValueError as error:
+        except BaseException as error:  # whatever failed, the session opened for this offer is released
             await peer.close(CLOSE_BAD_REQUEST, "the offer was not understood")
             await self.registry.end_session(session)
+            if not isinstance(error, ValueError):
+                raise
             return _error_response(invalid(f"the SDP offer was not understood: {error}"))
         self._spawn(self._run(browser, peer, peer.input_ended()))
-        return web.json_response({"sdp": answer.sdp, "type": answer.type, "session_id": browser.session_id})
+        return web.json_response(
+            {
+                "sdp": answer.sdp,
+                "type": answer.type,
+                "session_id": browser.session_id,
+                "resume_token": session.resume_token,
+            }
+        )
 
     async def _websocket(self, request: web.Request) -> web.StreamResponse:
         # No per-message deflate: PCM barely compresses and zlib on every 20 ms frame costs CPU and latency.
@@ -158,9 +189,17 @@ class WebDoor:
         await ws.prepare(request)
         try:
             self.origins.check(request.headers.get("Origin"), request.host)
-            self.registry.check_token(_authorization(request))
             start = await start_message(ws)
-            session = await self.registry.open_session(session_config(start.get("config")), door="websocket")
+            # A browser cannot set headers on a WebSocket: its credential comes in the start message, not the URL
+            # (which ends up in access logs). Other clients may send the header.
+            token = start.get("token")
+            authorization = f"Bearer {token}" if isinstance(token, str) and token else ""
+            principal = self.registry.authenticate(
+                authorization or request.headers.get("Authorization", ""), "websocket"
+            )
+            self.registry.admit(principal, request.remote or "")
+            config = session_config(start.get("config"))
+            session = await self.registry.open_session(config, door="websocket", principal=principal)
         except RequestError as error:
             log.info("websocket refused", extra={"code": error.code.name, "reason": error.message})
             await refuse_websocket(ws, error)
@@ -188,13 +227,8 @@ class WebDoor:
             self._browsers.discard(browser)
 
 
-def _authorization(request: web.Request) -> str:
-    """The `Authorization` header, or `?token=` (a browser cannot set headers on a WebSocket)."""
-    token = request.query.get("token")
-    return f"Bearer {token}" if token else request.headers.get("Authorization", "")
-
-
 def _error_response(error: RequestError) -> web.Response:
-    return web.json_response(
-        {"error": {"code": error.code.name, "message": error.message}}, status=HTTP_STATUS.get(error.code, 400)
-    )
+    body = {"error": {"code": error.code.name, "message": error.message}}
+    if isinstance(error, RateLimited):  # this client is over its limit, not the gateway over its own
+        return web.json_response(body, status=429, headers={"Retry-After": str(max(1, round(error.retry_after_s)))})
+    return web.json_response(body, status=HTTP_STATUS.get(error.code, 400))

@@ -90,9 +90,10 @@ def parse_ice_servers(raw: str) -> list[dict[str, Any]]:
     if not isinstance(servers, list):
         raise SystemExit("setting ice_servers: expected a JSON list of {urls, username, credential}")
     parsed = []
-    for server in servers:
+    for index, server in enumerate(servers):
         if not isinstance(server, dict) or "urls" not in server:
-            raise SystemExit(f"setting ice_servers: {server!r} has no 'urls'")
+            # The entry itself is not echoed: it may hold a credential.
+            raise SystemExit(f"setting ice_servers: entry {index} has no 'urls'")
         urls = server["urls"] if isinstance(server["urls"], list) else [server["urls"]]
         for url in urls:
             if not isinstance(url, str) or not url.startswith(ICE_SCHEMES):

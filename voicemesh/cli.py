@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -16,7 +17,7 @@ from voicemesh import console
 from voicemesh.audio import read_wav, write_wav
 from voicemesh.clients import Credentials
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, wait_healthy
-from voicemesh.tls import ClientTls
+from voicemesh.tls import ClientTls, local_certificates
 
 SERVICES = ("asr", "llm", "tts", "gateway")
 
@@ -43,8 +44,13 @@ async def _up(args: argparse.Namespace) -> None:
     log_dir: str | None = args.log_dir or (tempfile.mkdtemp(prefix="voicemesh-logs-") if human else None)
     mesh = Mesh(log_dir=log_dir)
     ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port, "gateway": args.gateway_port}
+    certs, service_token = None, ""
+    if args.tls:  # TLS on every hop, mutual to the services, which also want a token; the CA is printed
+        certs = local_certificates(Path(tempfile.mkdtemp(prefix="voicemesh-tls-")))
+        service_token = secrets.token_urlsafe(24)
     # What was heard and replied goes into the gateway's turn log only here, for the person at the terminal.
-    mesh.start_local(ports, args.http_port, ["--log-transcripts"] if human else [])
+    gateway_args = ["--log-transcripts=true"] if human else []
+    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a supervisor's SIGTERM stops the children too
@@ -52,10 +58,14 @@ async def _up(args: argparse.Namespace) -> None:
     print("starting ASR, LLM, TTS and the gateway, each its own process (models load in a few seconds)...", flush=True)
     try:
         await mesh.wait()
+        scheme, tls_flag = ("https", f" --tls-ca {certs.ca_file}") if certs else ("http", "")
         print(
-            f"web page:    http://127.0.0.1:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)\n"
-            f"talk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav --target 127.0.0.1:{ports['gateway']}\n"
-            f"services:    {', '.join(f'{name} 127.0.0.1:{port}' for name, port in ports.items())} (gRPC, SERVING)\n"
+            f"web page:    {scheme}://localhost:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)\n"
+            f"talk to it:  voicemesh talk ../shared/audio/jfk.wav --out reply.wav "
+            f"--target localhost:{ports['gateway']}{tls_flag}\n"
+            f"services:    {', '.join(f'{name} 127.0.0.1:{port}' for name, port in ports.items())} "
+            f"(gRPC{', TLS' if certs else ''}, SERVING)\n"
+            + (f"TLS:         CA {certs.ca_file} (trust it in the browser to use the page)\n" if certs else "")
             + (f"logs:        {log_dir}/{{asr,llm,tts,gateway}}.log (JSON)\n" if log_dir else "")
             + "Ctrl-C stops everything.\n",
             flush=True,
@@ -291,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--log-dir", default=None, help="write each service's JSON logs here (default on a terminal: a temp dir)"
     )
     up.add_argument("--json-logs", action="store_true", help="the services' JSON logs on the terminal, not a summary")
+    up.add_argument("--tls", action="store_true", help="TLS on every hop (a throwaway CA; mutual TLS to the services)")
 
     tr = sub.add_parser("transcribe", parents=[connection], help="stream a WAV into the ASR service")
     tr.add_argument("clip")

@@ -50,6 +50,9 @@ class ServerSettings:
         "can be added before the old one is removed; empty = none. With neither this nor auth_token, no auth",
     )
     jwt_audience: str = setting("", "the `aud` accepted JWTs must carry; empty = not checked")
+    log_transcripts: bool = setting(
+        False, "put what users said and what was replied in logs and spans (personal data: off unless debugging)"
+    )
 
 
 def _parse(kind: Any, raw: str) -> Any:

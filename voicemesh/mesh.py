@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from voicemesh.serving import health_check
+from voicemesh.tls import LocalCertificates
 
 STAGES = ("asr", "llm", "tts")
 DEFAULT_PORTS = {"asr": 50061, "llm": 50062, "tts": 50063, "gateway": 50051}
@@ -47,6 +48,8 @@ class Process:
     popen: subprocess.Popen[bytes]
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    health_target: str = ""
+    """Where its plaintext health service answers, when that is not `target` (a TLS or token-guarded port)."""
 
 
 class Mesh:
@@ -71,18 +74,52 @@ class Mesh:
         with open(os.path.join(self.log_dir, f"{name}.log"), "ab") as log_file:
             return subprocess.Popen(argv, env={**os.environ, **(env or {})}, stderr=log_file)
 
-    def start_local(self, ports: Mapping[str, int], http_port: int, gateway_args: Sequence[str] = ()) -> None:
-        """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none)."""
+    def start_local(
+        self,
+        ports: Mapping[str, int],
+        http_port: int,
+        gateway_args: Sequence[str] = (),
+        tls: LocalCertificates | None = None,
+        service_token: str = "",
+    ) -> None:
+        """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none).
+
+        With `tls`, every gRPC port serves TLS: the services want the gateway's client certificate (mutual TLS)
+        and `service_token`, and each process answers probes on a plaintext health-only port."""
+        secure: list[str] = []
+        if tls is not None:
+            secure = [f"--tls-cert={tls.server.cert_file}", f"--tls-key={tls.server.key_file}"]
         for name in STAGES:
-            self.start(name, ports[name])
+            args = [*secure, f"--tls-client-ca={tls.ca_file}"] if tls is not None else []
+            if service_token:
+                args.append(f"--auth-token={service_token}")
+            self._start_guarded(name, ports[name], args, tls is not None or bool(service_token))
         targets = [f"--{name}-target=127.0.0.1:{ports[name]}" for name in STAGES]
-        self.start("gateway", ports["gateway"], [*targets, f"--http-port={http_port}", *gateway_args])
+        client = []
+        if tls is not None:
+            client = [
+                f"--service-tls-ca={tls.ca_file}",
+                f"--service-tls-cert={tls.client.cert_file}",
+                f"--service-tls-key={tls.client.key_file}",
+            ]
+        if service_token:
+            client.append(f"--service-token={service_token}")
+        gateway = [*targets, f"--http-port={http_port}", *secure, *client, *gateway_args]
+        self._start_guarded("gateway", ports["gateway"], gateway, tls is not None)
+
+    def _start_guarded(self, name: str, port: int, args: list[str], guarded: bool) -> None:
+        if not guarded:
+            self.start(name, port, args)
+            return
+        health_port = free_port()
+        process = self.start(name, port, [*args, f"--health-port={health_port}"])
+        process.health_target = f"127.0.0.1:{health_port}"
 
     def restart(self, name: str) -> Process:
         """Start a stopped or killed service again with the same arguments."""
         old = self.processes[name]
         self.stop(name)
-        process = Process(name, old.target, self._spawn(name, old.argv, old.env), old.argv, old.env)
+        process = Process(name, old.target, self._spawn(name, old.argv, old.env), old.argv, old.env, old.health_target)
         self.processes[name] = process
         return process
 
@@ -90,7 +127,7 @@ class Mesh:
         """Wait until the named services (default: all) report SERVING; raises if one exits first."""
 
         async def one(process: Process) -> None:
-            task = asyncio.ensure_future(wait_healthy(process.target, timeout_s))
+            task = asyncio.ensure_future(wait_healthy(process.health_target or process.target, timeout_s))
             while not task.done():
                 if process.popen.poll() is not None:
                     task.cancel()

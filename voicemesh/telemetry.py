@@ -82,6 +82,9 @@ QUEUE_WAIT = Histogram(
 COMPUTE = Histogram(
     "voicemesh_compute_seconds", "Time to the first result on a worker", ["service"], buckets=LATENCY_BUCKETS_S
 )
+TAKEOVERS_REFUSED = Counter(
+    "voicemesh_session_takeovers_refused_total", "Session resumes refused: the caller did not own the session", ["door"]
+)
 UNAUTHENTICATED = Counter(
     "voicemesh_unauthenticated_total", "Requests refused for a missing or invalid credential", ["door"]
 )

@@ -3,11 +3,12 @@
 // WebSocket door (PCM16 frames, a jitter buffer here) and the conversation goes on.
 // Query options: transport=auto|webrtc|websocket, simulate=ice-blocked (drop ICE candidates, as a network that
 // blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1.
+// A gateway that wants a credential gets it from the fragment: open the page as /#token=... . A fragment never
+// reaches a server, so the token stays out of access logs; it goes in a header, or in the WebSocket's first message.
 
 const params = new URLSearchParams(location.search);
-// A gateway started with an auth token wants it: open the page as /?token=... and it is sent along.
+const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
 function authHeader() {
-  const token = params.get("token");
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
 const option = {
@@ -30,6 +31,7 @@ const state = {
   status: "idle",
   transport: null,
   sessionId: null,
+  resumeToken: "", // from the gateway: resumes this session (a reconnect, the WebRTC -> WebSocket move)
   fallbackReason: null,
   iceStates: [],
   events: [],
@@ -133,6 +135,7 @@ function onEvent(message) {
   switch (message.type) {
     case "started":
       state.sessionId = message.session_id;
+      state.resumeToken = message.resume_token || state.resumeToken;
       setStatus("listening");
       break;
     case "user_partial":
@@ -401,6 +404,7 @@ async function startWebRtc() {
     throw new Refused(`${refusal.code || response.status}: ${refusal.message || "the gateway refused the offer"}`);
   }
   state.sessionId = body.session_id;
+  state.resumeToken = body.resume_token; // proves this page owns the session when it moves to WebSocket
   await pc.setRemoteDescription({ type: "answer", sdp: option.iceBlocked ? stripCandidates(body.sdp) : body.sdp });
   await connected(pc, channel, Math.max(0, timeoutMs - (performance.now() - started)));
   rtc.connected = true;
@@ -431,11 +435,10 @@ function startWebSocket(fallback) {
   lastTransit = null;
   return new Promise((resolve, reject) => {
     const scheme = location.protocol === "https:" ? "wss" : "ws";
-    const token = params.get("token");
-    ws = new WebSocket(`${scheme}://${location.host}/api/ws${token ? `?token=${encodeURIComponent(token)}` : ""}`);
+    ws = new WebSocket(`${scheme}://${location.host}/api/ws`);
     ws.binaryType = "arraybuffer";
     ws.onopen = () => {
-      ws.send(JSON.stringify({ type: "start", config: sessionConfig(), fallback }));
+      ws.send(JSON.stringify({ type: "start", token, config: sessionConfig(), fallback }));
       resolve();
     };
     ws.onmessage = (event) => {
@@ -474,6 +477,7 @@ function sessionConfig() {
     input_sample_rate_hz: ctx.sampleRate,
     output_sample_rate_hz: ctx.sampleRate,
     system_prompt: option.systemPrompt,
+    resume_token: state.resumeToken || "",
     options,
   };
 }
@@ -499,7 +503,9 @@ async function start() {
   stopping = false;
   setStatus("connecting");
   try {
-    config = await (await fetch("/api/config")).json();
+    const answer = await fetch("/api/config", { headers: authHeader() });
+    if (!answer.ok) throw new Error(`the gateway refused the page's config: ${answer.status} (open the page as /#token=...)`);
+    config = await answer.json();
     if (!ctx) await openAudio();
     state.sessionId = state.sessionId || crypto.randomUUID().replaceAll("-", "").slice(0, 16);
     const useWebRtc = option.transport !== "websocket" && "RTCPeerConnection" in window;

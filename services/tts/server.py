@@ -69,8 +69,16 @@ class _Utterance:
 class SynthesisStream:
     """One StreamingSynthesize call: text in, framed audio events out through `events`."""
 
-    def __init__(self, cfg: tts_pb2.SynthesisConfig, voice: Voice, engine: Synthesizer, pool: WorkerPool) -> None:
+    def __init__(
+        self,
+        cfg: tts_pb2.SynthesisConfig,
+        voice: Voice,
+        engine: Synthesizer,
+        pool: WorkerPool,
+        record_text: bool = False,
+    ) -> None:
         self.cfg = cfg
+        self.record_text = record_text  # the chunk's text on its span: personal data, off unless asked for
         self.rate_hz = OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
         self.policy = POLICIES[cfg.chunking]
         self.lookahead = LOOKAHEAD_WORDS.resolve(cfg.lookahead_words, "lookahead_words")
@@ -162,7 +170,8 @@ class SynthesisStream:
                 done_ns = time.time_ns()
                 started_ns = done_ns - int(timed.compute_ms * 1e6)
                 telemetry.timed_span(TRACER, "tts.queue", started_ns - int(queue_ms * 1e6), started_ns, utterance.span)
-                telemetry.timed_span(TRACER, "tts.first_audio", started_ns, done_ns, utterance.span, {"text": chunk})
+                attributes = {"text": chunk} if self.record_text else {"chars": len(chunk)}
+                telemetry.timed_span(TRACER, "tts.first_audio", started_ns, done_ns, utterance.span, attributes)
             frames = timed.result
             for index, data in enumerate(frames):
                 event = tts_pb2.SynthesizeEvent(
@@ -255,7 +264,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
         if first.WhichOneof("request") != "config":
             raise precondition(f"the first message must be a SynthesisConfig; got {first.WhichOneof('request')}")
         voice = validate_config(first.config, self.engine)
-        stream = SynthesisStream(first.config, voice, self.engine, self.pool)
+        stream = SynthesisStream(first.config, voice, self.engine, self.pool, self.settings.log_transcripts)
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
         log.info("stream opened", extra={"session_id": first.config.session_id, "policy": stream.policy.value})
 

@@ -52,7 +52,7 @@ async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_comple
     assert state["error"] in (None, ""), state["error"]
     turn = heard_turns(state)[0]
     assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
-    history = web_gateway.servicer.histories.get(state["sessionId"])
+    history = web_gateway.servicer.history(state["sessionId"])
     assert history and (history[0].role, history[0].text) == ("user", turn["user_text"])
 
 
@@ -71,7 +71,7 @@ async def test_a_conversation_that_loses_webrtc_goes_on_over_websocket_with_its_
     started = [e for e in state["events"] if e["type"] == "started"]
     assert len(started) == 2 and started[1]["session_id"] == started[0]["session_id"] == state["sessionId"]
     assert started[1]["history_turns"] >= 1, "the WebSocket session continued the WebRTC one's history"
-    history = web_gateway.servicer.histories.get(state["sessionId"])
+    history = web_gateway.servicer.history(state["sessionId"])
     assert [entry.role for entry in history][:4] == ["user", "assistant", "user", "assistant"]
 
 

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
+
+from gateway.server import GatewayServer, GatewaySettings, build_server
+from voicemesh.mesh import free_port
 
 
 async def expect_error(call: AsyncIterator[object], code: grpc.StatusCode, *words: str) -> str:
@@ -32,3 +36,18 @@ async def requests(*messages: object, hold: bool = False) -> AsyncIterator[objec
 async def requests_from(messages: Iterable[object]) -> AsyncIterator[object]:
     for message in messages:
         yield message
+
+
+async def start_gateway(asr: str, llm: str, tts: str, **settings: Any) -> GatewayServer:
+    """A gateway in this process on free ports (its browser doors too, unless http_port=-1)."""
+    server = build_server(
+        GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, drain_grace_s=1, **settings)
+    )
+    await server.start()
+    return server
+
+
+async def start_offline_gateway(**settings: Any) -> GatewayServer:
+    """A gateway whose backends are not running: sessions open and wait for them, which the limits never need."""
+    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    return await start_gateway(*dead, **settings)

@@ -81,7 +81,7 @@ async def test_two_turns_share_history_and_the_prefix_cache(gateway) -> None:
     assert second.prompt_tokens > first.prompt_tokens
     assert second.cached_prompt_tokens > first.cached_prompt_tokens
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
-    history = gateway.servicer.histories.get(session_id)
+    history = gateway.servicer.history(session_id)
     assert [entry.role for entry in history] == ["user", "assistant", "user", "assistant"]
 
 
@@ -106,7 +106,7 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(gateway) -> N
     spoken = event.spoken_text
     assert len(spoken) < len(reply_text), "the reply was cut short"
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
-    history = gateway.servicer.histories.get(session_id)
+    history = gateway.servicer.history(session_id)
     # After the question: the reply as far as it was heard, marked as cut short; nothing if none of it was heard.
     after_question = [(entry.text, entry.interrupted) for entry in history[1:2] if entry.role == "assistant"]
     assert after_question == ([(spoken, True)] if spoken else []), "only what was heard, marked as cut short"
@@ -147,7 +147,7 @@ async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -
     last_s = (max(e.received_us for e in events if isinstance(e, ReplyAudio)) - turn.speech_end_sent_us) / 1e6
     assert first_s < inject_after_s, "the reply was playing when the user said yeah"
     assert last_s > inject_after_s + yeah.duration_s + 0.3, f"the reply stopped {last_s:.1f} s after the question"
-    history = gateway.servicer.histories.get(next(e.session_id for e in events if type(e).__name__ == "Started"))
+    history = gateway.servicer.history(next(e.session_id for e in events if type(e).__name__ == "Started"))
     assert [entry.role for entry in history] == ["user", "assistant"] and not history[1].interrupted
 
 
@@ -294,7 +294,7 @@ async def test_a_gateway_with_a_token_refuses_calls_without_it(services) -> None
             stub = conversation_pb2_grpc.ConversationStub(channel)
             for metadata in (None, (("authorization", "Bearer wrong"),)):
                 call = stub.Converse(requests(_config(), hold=True), metadata=metadata)
-                await expect_error(call, grpc.StatusCode.UNAUTHENTICATED, "authorization: Bearer")
+                await expect_error(call, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated")
             call = stub.Converse(requests(_config(), hold=True), metadata=(("authorization", "Bearer s3cret"),))
             first = await anext(aiter(call))
             assert first.WhichOneof("event") == "started"

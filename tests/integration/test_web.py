@@ -22,9 +22,9 @@ from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.protocol import FRAME_HEADER
-from gateway.server import GatewayServer, GatewaySettings, build_server
-from tests.conftest import free_port, load_clip
-from tests.integration.helpers import requests
+from gateway.server import GatewayServer
+from tests.conftest import load_clip
+from tests.integration.helpers import requests, start_gateway, start_offline_gateway
 from voicemesh import clients
 from voicemesh.audio import Clip, pcm16_to_float
 from voicemesh.clients import clip_with_silence, epoch_us, paced
@@ -34,20 +34,6 @@ pytestmark = pytest.mark.integration
 
 RATE_HZ = 48000
 FRAME_BYTES = 1920  # 20 ms of PCM16 at 48 kHz
-
-
-async def start_gateway(asr: str, llm: str, tts: str, **settings: Any) -> GatewayServer:
-    server = build_server(
-        GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, drain_grace_s=1, **settings)
-    )
-    await server.start()
-    return server
-
-
-async def start_offline_gateway(**settings: Any) -> GatewayServer:
-    """A gateway whose backends are not running: sessions open and wait for them, which the limits never need."""
-    dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    return await start_gateway(*dead, **settings)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -162,7 +148,7 @@ async def test_the_same_session_id_continues_the_history_and_retires_the_old_con
         await second.ws.close()
     assert started["session_id"] == session_id and started["history_turns"] == 1
     assert first.close_code == 4409 and "newer connection" in first.close_reason
-    history = web_gateway.servicer.histories.get(session_id)
+    history = web_gateway.servicer.history(session_id)
     assert [entry.role for entry in history] == ["user", "assistant", "user", "assistant"]
     assert "horizon" in history[2].text.lower()
 
@@ -278,17 +264,23 @@ async def test_a_gateway_with_a_token_refuses_browsers_without_it() -> None:
     try:
         async with aiohttp.ClientSession() as client:
             refused = await client.ws_connect(http(server, "/api/ws"))
+            await refused.send_str(json.dumps({"type": "start", "config": {"input_sample_rate_hz": RATE_HZ}}))
             error = json.loads((await refused.receive()).data)
             closing = await refused.receive()
-            allowed = await client.ws_connect(http(server, "/api/ws?token=s3cret"))
-            await allowed.send_str(json.dumps({"type": "start", "config": {"input_sample_rate_hz": RATE_HZ}}))
+            in_url = await client.ws_connect(http(server, "/api/ws?token=s3cret"))  # URLs land in access logs
+            await in_url.send_str(json.dumps({"type": "start", "config": {"input_sample_rate_hz": RATE_HZ}}))
+            url_error = json.loads((await in_url.receive()).data)
+            allowed = await client.ws_connect(http(server, "/api/ws"))
+            start = {"type": "start", "token": "s3cret", "config": {"input_sample_rate_hz": RATE_HZ}}
+            await allowed.send_str(json.dumps(start))
             started = json.loads((await allowed.receive()).data)
             await allowed.close()
             offer = {"type": "offer", "sdp": "v=0", "config": {}}
             async with client.post(http(server, "/api/offer"), json=offer) as reply:
                 offer_status = reply.status
         assert error["code"] == "UNAUTHENTICATED" and closing.data == 4401
-        assert started["type"] == "started"
+        assert url_error["code"] == "UNAUTHENTICATED"
+        assert started["type"] == "started" and started["resume_token"]
         assert offer_status == 401
     finally:
         await server.stop()
