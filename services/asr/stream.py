@@ -46,7 +46,8 @@ class RecognitionStream:
         # An engine without a trimmed decode always decodes its full window (slower, same text).
         trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL and capabilities.trimmed_decode
         language = capabilities.language_for(config.language)
-        self._final_options = DecodeOptions(language, trimmed, not config.skip_word_timings)
+        word_timings = capabilities.word_timings and not config.skip_word_timings  # else finals carry no words
+        self._final_options = DecodeOptions(language, trimmed, word_timings)
         self._partial_options = DecodeOptions(language, capabilities.trimmed_decode, word_timings=False)
         self.partial_interval_ms = config.partial_interval_ms or 200
         self._vad = vad

@@ -103,13 +103,14 @@ async def test_a_multilingual_engine_detects_the_language_when_the_stream_names_
     assert _final(await _stream_events(transcriber, config)).language == "fr"
 
 
-async def test_an_engine_without_a_trimmed_decode_gets_full_window_decodes() -> None:
-    untrimmed = TranscriberCapabilities(
-        languages=frozenset({"en"}), detects_language=False, trimmed_decode=False, word_timings=True
+async def test_an_engine_without_a_trimmed_decode_or_word_timings_is_not_asked_for_them() -> None:
+    plain = TranscriberCapabilities(
+        languages=frozenset({"en"}), detects_language=False, trimmed_decode=False, word_timings=False
     )
-    transcriber = FakeTranscriber(FakeVad(), untrimmed)
+    transcriber = FakeTranscriber(FakeVad(), plain)
     await _stream_events(transcriber, asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000))
-    assert transcriber.options and not any(options.trimmed for options in transcriber.options)
+    assert transcriber.options
+    assert not any(options.trimmed or options.word_timings for options in transcriber.options)
 
 
 async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:
