@@ -33,7 +33,9 @@ class GatewaySettings(config.ServerSettings):
     )
     idle_timeout_s: float = config.setting(60.0, "a browser session that sends no audio this long is closed")
     session_starts_per_minute: float = config.setting(
-        30.0, "sessions (and WebRTC offers) one client may start per minute, in bursts of 10; by token subject or IP"
+        600.0,
+        "sessions (and WebRTC offers) one client may start per minute, by token subject or IP, in bursts of 10 s "
+        "worth (a load test's ramp fits; a flood of new ids does not); 0 = no limit",
     )
     service_token: str = config.setting("", "bearer token sent to the ASR, LLM and TTS services (their auth_token)")
     service_tls_ca: str = config.setting("", "PEM CA the services' certificates are checked against: TLS to them")
