@@ -71,10 +71,12 @@ class FakeStub:
     def __init__(self, backends: FakeBackends) -> None:
         self.backends = backends
 
-    def StreamingRecognize(self, requests: AsyncIterator[object]) -> FakeRecognize:
+    def StreamingRecognize(self, requests: AsyncIterator[object], metadata: object = None) -> FakeRecognize:
         return FakeRecognize(requests, self.backends.asr, self.backends.asr_script)
 
-    def StreamingSynthesize(self, requests: AsyncIterator[tts_pb2.SynthesizeRequest]) -> FakeSynthesize:
+    def StreamingSynthesize(
+        self, requests: AsyncIterator[tts_pb2.SynthesizeRequest], metadata: object = None
+    ) -> FakeSynthesize:
         self.backends.tts_connected = True
         return FakeSynthesize(requests, self.backends.tts)
 
@@ -101,6 +103,9 @@ class FakeBackends:
 
     def recognizer(self, target: str) -> FakeStub:
         return FakeStub(self)
+
+    def metadata(self, extra: list[tuple[str, str]] | None = None) -> tuple[tuple[str, str], ...]:
+        return tuple(extra or ())
 
     synthesizer = recognizer
 

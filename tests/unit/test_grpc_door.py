@@ -16,6 +16,9 @@ class FakeContext:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return ()
 
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
     async def abort(self, code: object, details: str) -> None:
         raise AssertionError(f"aborted: {code} {details}")
 
