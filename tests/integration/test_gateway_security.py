@@ -23,12 +23,13 @@ from prometheus_client import REGISTRY
 from gateway.server import GatewayServer
 from tests.conftest import load_clip
 from tests.integration.helpers import expect_error, requests, start_gateway, start_offline_gateway
+from voicemesh import clients
 from voicemesh.auth import issue_token
 from voicemesh.clients import Credentials
 from voicemesh.conversation import ReplyAudio, talk
 from voicemesh.mesh import Mesh, free_port, wait_healthy
 from voicemesh.tls import ClientTls, LocalCertificates, local_certificates
-from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
+from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc, llm_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -234,3 +235,22 @@ async def test_a_real_turn_over_tls_to_the_gateway_and_mutual_tls_to_every_servi
                     await reply.read()
     finally:
         await server.stop()
+
+
+async def test_every_service_refuses_a_caller_with_the_certificate_but_without_the_token(
+    secure_services: tuple[dict[str, str], LocalCertificates],
+) -> None:
+    targets, certs = secure_services
+    for token, expected in (("", grpc.StatusCode.UNAUTHENTICATED), ("wrong", grpc.StatusCode.UNAUTHENTICATED)):
+        credentials = Credentials(certs.client, token)
+        calls = {
+            "asr": clients.recognize(targets["asr"], load_clip("spk1_snt1"), realtime=False, credentials=credentials),
+            "llm": clients.generate(targets["llm"], [(llm_pb2.ROLE_USER, "Hi")], credentials=credentials),
+            "tts": clients.synthesize(targets["tts"], ["Hello."], credentials=credentials),
+        }
+        for name, call in calls.items():
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pass
+            assert refused.value.code() == expected, (name, refused.value.details())
+            assert refused.value.details() == "unauthenticated", name

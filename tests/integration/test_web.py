@@ -140,13 +140,18 @@ async def test_the_same_session_id_continues_the_history_and_retires_the_old_con
         await first.send_clip(load_clip("spk2_snt1"), trailing_silence_s=2.0)
         await first.wait_for("reply_done")
         await first.wait_for("metrics")
-        second = await open_ws(client, web_gateway, {"session_id": session_id})
+        intruder = await open_ws(client, web_gateway, {"session_id": session_id})  # the id alone is not enough
+        refusal = await intruder.wait_for("error")
+        resume_token = first.of("started")[0]["resume_token"]
+        second = await open_ws(client, web_gateway, {"session_id": session_id, "resume_token": resume_token})
         started = await second.wait_for("started")
         await first.closed()
         await second.send_clip(load_clip("horizon"), trailing_silence_s=2.0)
         await second.wait_for("reply_done")
         await second.ws.close()
+    assert refusal["code"] == "PERMISSION_DENIED" and "belongs to another caller" in refusal["message"]
     assert started["session_id"] == session_id and started["history_turns"] == 1
+    assert started["resume_token"] != resume_token  # a new one at every start
     assert first.close_code == 4409 and "newer connection" in first.close_reason
     history = web_gateway.servicer.history(session_id)
     assert [entry.role for entry in history] == ["user", "assistant", "user", "assistant"]
