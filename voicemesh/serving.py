@@ -267,7 +267,8 @@ async def merge_reader(reader: Awaitable[None], events: asyncio.Queue[Any]) -> A
     """Yield `events` until a None arrives, while `reader` consumes the client's requests.
 
     The bidirectional pattern of every service: a task reads requests and feeds engines, which put events
-    on the queue. An exception in the reader (bad input) is raised here so the call ends with its status.
+    on the queue. An exception in the reader (bad input) is raised here so the call ends with its status, and so
+    is an exception a background task puts on the queue (an engine that failed): the call never goes silent.
     """
     reader_task = asyncio.ensure_future(reader)
     try:
@@ -282,6 +283,8 @@ async def merge_reader(reader: Awaitable[None], events: asyncio.Queue[Any]) -> A
                 event = getter.result()
             if event is None:
                 return
+            if isinstance(event, BaseException):
+                raise event
             yield event
     finally:
         reader_task.cancel()

@@ -126,7 +126,7 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         if first.WhichOneof("request") != "config":
             raise precondition("the first message must be a RecognitionConfig; got an audio frame")
         policy = validate_config(first.config, self.transcriber.capabilities)
-        events: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
+        events: asyncio.Queue[asr_pb2.RecognizeEvent | BaseException | None] = asyncio.Queue()
         stream = RecognitionStream(
             first.config,
             policy,
@@ -135,6 +135,7 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
             self.pool,
             events.put_nowait,
             self.scorer,
+            fail=events.put_nowait,  # ends the call with INTERNAL; the gateway reports it and reconnects
         )
         checker = FrameChecker(first.config.sample_rate_hz)
         log.info("stream opened", extra={"session_id": first.config.session_id, "rate_hz": first.config.sample_rate_hz})

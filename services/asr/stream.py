@@ -40,6 +40,7 @@ class RecognitionStream:
         pool: WorkerPool,
         emit: Callable[[asr_pb2.RecognizeEvent], None],
         scorer: TurnScorer | None = None,
+        fail: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.config = config
         capabilities = transcriber.capabilities
@@ -55,6 +56,7 @@ class RecognitionStream:
         self._transcriber = transcriber
         self._pool = pool
         self._emit = emit
+        self._fail = fail  # a decode or score that raised ends the call (else the turn would be lost in silence)
         self._resampler = StreamResampler(config.sample_rate_hz, SAMPLE_RATE_HZ)
         self._pending = np.zeros(0, dtype=np.float32)  # resampled samples not yet in a VAD window
         self._audio = np.zeros(0, dtype=np.float32)  # recent audio, 16 kHz
@@ -305,8 +307,18 @@ class RecognitionStream:
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._done)
         return task
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        error = task.exception()
+        log.error("recognition task failed", extra={"session_id": self.config.session_id, "error": repr(error)})
+        telemetry.ERRORS.labels("asr", "INTERNAL").inc()
+        if self._fail is not None and error is not None:
+            self._fail(error)
 
     def _trim_audio(self) -> None:
         """Keep only what a turn can still need: the current turn, or the last preroll when idle."""

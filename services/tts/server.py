@@ -85,7 +85,7 @@ class SynthesisStream:
         self.voice = voice
         self._engine = engine
         self._pool = pool
-        self.events: asyncio.Queue[tts_pb2.SynthesizeEvent | None] = asyncio.Queue()
+        self.events: asyncio.Queue[tts_pb2.SynthesizeEvent | BaseException | None] = asyncio.Queue()
         self._work: asyncio.Queue[tuple[int, str | None, int]] = asyncio.Queue()  # (utterance, chunk|None=done, t)
         self._utterances: dict[int, _Utterance] = {}
         self._closed_ids: set[int] = set()
@@ -204,6 +204,12 @@ class SynthesisStream:
         framer = Framer(self.rate_hz)
         return [*framer.push(float_to_pcm16(audio)), *framer.flush()]
 
+    def on_loop_done(self, loop: asyncio.Future[None]) -> None:
+        """The synthesize loop raised (the engine failed): the call ends with that error instead of going mute."""
+        if not loop.cancelled() and (error := loop.exception()) is not None:
+            log.error("synthesis failed", extra={"session_id": self.cfg.session_id, "error": repr(error)})
+            self.events.put_nowait(error)
+
     def end_input(self) -> None:
         self._work.put_nowait((-1, None, 0))
 
@@ -266,6 +272,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
         voice = validate_config(first.config, self.engine)
         stream = SynthesisStream(first.config, voice, self.engine, self.pool, self.settings.log_transcripts)
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
+        synthesizer.add_done_callback(stream.on_loop_done)
         log.info("stream opened", extra={"session_id": first.config.session_id, "policy": stream.policy.value})
 
         async def read() -> None:

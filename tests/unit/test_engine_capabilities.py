@@ -113,3 +113,19 @@ def test_limits_are_one_definition_with_one_message() -> None:
     assert OUTPUT_RATES.check(0, "sample_rate_hz") == 16000
     with pytest.raises(RequestError, match=r"send one of 16000, 22050, 24000, 48000 \(or 0 for 16000\)"):
         OUTPUT_RATES.check(8000, "sample_rate_hz")
+
+
+class FakeBrokenSynthesizer(FakeToneSynthesizer):
+    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+        raise RuntimeError("voice model exploded")
+
+
+async def test_a_synthesis_that_raises_ends_the_stream_with_the_error_instead_of_going_mute() -> None:
+    engine = FakeBrokenSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"))
+    loop = asyncio.ensure_future(stream.synthesize_loop())
+    loop.add_done_callback(stream.on_loop_done)
+    stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text="one two ")))
+    error = await asyncio.wait_for(stream.events.get(), 10)
+    assert isinstance(error, RuntimeError) and "voice model exploded" in str(error)

@@ -186,3 +186,28 @@ async def test_a_complete_score_commits_after_the_short_hangover() -> None:
     assert final.speech_end_ms == SPEECH_WINDOWS * 32
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds.index("speech_stopped") < kinds.index("final")
+
+
+class BrokenTranscriber(FakeTranscriber):
+    """An engine whose decode raises, as a corrupt model or an out-of-memory would."""
+
+    def transcribe(self, audio: np.ndarray, options: DecodeOptions | None = None) -> Transcript:
+        raise RuntimeError("decoder exploded")
+
+
+async def test_a_decode_that_raises_ends_the_call_instead_of_losing_the_turn_in_silence() -> None:
+    failures: list[BaseException] = []
+    events: list[asr_pb2.RecognizeEvent] = []
+    transcriber = BrokenTranscriber(FakeVad())
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
+    policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
+    stream = RecognitionStream(
+        config, policy, transcriber.vad, transcriber, WorkerPool(1, "test-asr"), events.append, fail=failures.append
+    )
+    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
+        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(0.01)
+    await stream.drain()
+    assert failures and all("decoder exploded" in str(error) for error in failures)
+    assert not any(e.WhichOneof("event") == "final" for e in events)
