@@ -50,7 +50,7 @@ class BrowserSession:
         self.session_id = session.options.session_id
         self.idle_timeout_s = idle_timeout_s
         self.door = door
-        self.checker = FrameChecker(session.options.input_rate_hz)
+        self.checker = FrameChecker(session.options.input_rate_hz, registry.max_audio_ahead_ms)
         self.last_audio_s = time.monotonic()
         self.stopping = False
         self._transport: Transport | None = None

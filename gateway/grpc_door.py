@@ -39,7 +39,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
         if first.WhichOneof("request") != "config":
             raise precondition("the first message must be a SessionConfig; got an audio frame")
         session = await self.registry.open_session(first.config, door="grpc", principal=principal)
-        checker = FrameChecker(session.options.input_rate_hz)
+        checker = FrameChecker(session.options.input_rate_hz, self.registry.max_audio_ahead_ms)
 
         async def read() -> None:
             async for request in request_iterator:

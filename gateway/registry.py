@@ -97,6 +97,7 @@ class SessionRegistry:
         self.conversations = ConversationStore(settings.remembered_sessions)
         self.active: dict[str, Session] = {}
         self.authenticator = authenticator_for(settings)
+        self.max_audio_ahead_ms = settings.max_audio_ahead_ms or None
         rate = settings.session_starts_per_minute
         self._starts = RateLimiter(rate, max(1, round(rate / 6))) if rate > 0 else None
 

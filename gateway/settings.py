@@ -32,6 +32,11 @@ class GatewaySettings(config.ServerSettings):
         "", "comma-separated page origins allowed besides the gateway's own (e.g. https://app.example.com; * = any)"
     )
     idle_timeout_s: float = config.setting(60.0, "a browser session that sends no audio this long is closed")
+    max_audio_ahead_ms: float = config.setting(
+        2000.0,
+        "audio may arrive this far ahead of real time (a client catching up); more is RESOURCE_EXHAUSTED, so a "
+        "flood cannot queue minutes of audio in the gateway; 0 = no limit",
+    )
     session_starts_per_minute: float = config.setting(
         600.0,
         "sessions (and WebRTC offers) one client may start per minute, by token subject or IP, in bursts of 10 s "

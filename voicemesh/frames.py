@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import grpc
 
 from voicemesh.errors import RequestError, invalid
@@ -11,12 +14,21 @@ MAX_FRAME_MS = 1000
 
 
 class FrameChecker:
-    """Validates the PCM16 frames of one stream; raises RequestError naming the field and what is allowed."""
+    """Validates the PCM16 frames of one stream; raises RequestError naming the field and what is allowed.
 
-    def __init__(self, sample_rate_hz: int) -> None:
+    With `max_ahead_ms`, audio may arrive faster than real time only by that much (a client catching up after a
+    network hiccup): a flood is refused with RESOURCE_EXHAUSTED instead of queueing minutes of audio."""
+
+    def __init__(
+        self, sample_rate_hz: int, max_ahead_ms: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.sample_rate_hz = sample_rate_hz
+        self.max_ahead_ms = max_ahead_ms
         self.last_seq: int | None = None
         self.frames = 0
+        self._clock = clock
+        self._started_s: float | None = None
+        self._audio_ms = 0.0
 
     def check(self, frame: audio_pb2.AudioFrame) -> None:
         if frame.encoding != audio_pb2.AUDIO_ENCODING_PCM16LE:
@@ -51,3 +63,18 @@ class FrameChecker:
                 )
         self.last_seq = frame.seq
         self.frames += 1
+        if self.max_ahead_ms is not None:
+            self._pace(size / 2 * 1000 / self.sample_rate_hz)
+
+    def _pace(self, frame_ms: float) -> None:
+        now_s = self._clock()
+        if self._started_s is None:
+            self._started_s = now_s
+        self._audio_ms += frame_ms
+        ahead_ms = self._audio_ms - (now_s - self._started_s) * 1000
+        if self.max_ahead_ms is not None and ahead_ms > self.max_ahead_ms:
+            raise RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"audio arrives faster than real time ({ahead_ms / 1000:.1f} s ahead of the clock, at most "
+                f"{self.max_ahead_ms / 1000:g} s allowed); send each frame as it is captured",
+            )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
@@ -11,7 +12,7 @@ import pytest_asyncio
 
 from gateway.server import GatewaySettings, build_server
 from tests.conftest import free_port, load_clip
-from tests.integration.helpers import expect_error, requests
+from tests.integration.helpers import expect_error, requests, start_offline_gateway
 from voicemesh import clients
 from voicemesh.audio import Clip, pcm16_to_float
 from voicemesh.clients import pcm_frame
@@ -302,5 +303,34 @@ async def test_a_gateway_with_a_token_refuses_calls_without_it(services) -> None
             first = await anext(aiter(call))
             assert first.WhichOneof("event") == "started"
             call.cancel()
+    finally:
+        await server.stop()
+
+
+async def test_a_flood_faster_than_real_time_is_refused_and_another_session_goes_on() -> None:
+    """One client sending 1 s frames as fast as it can: refused within ~2 s of audio, not queued for minutes."""
+    server = await start_offline_gateway(http_port=-1)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = conversation_pb2_grpc.ConversationStub(channel)
+            calm = stub.Converse(requests(_config(session_id="calm"), hold=True))
+            assert (await anext(aiter(calm))).WhichOneof("event") == "started"
+            second = b"\x00\x00" * 16000  # 1 s of audio per frame
+            calls: list[grpc.aio.StreamStreamCall[object, object]] = []
+
+            async def flood() -> AsyncIterator[conversation_pb2.ConverseRequest]:
+                yield _config(session_id="flood")
+                for seq in range(60):
+                    # A client that stops writing once the call has ended, so it sees the status and not grpcio's
+                    # INTERNAL for a write into an ended call (grpc/grpc#36066).
+                    if calls and calls[0].done():
+                        return
+                    yield conversation_pb2.ConverseRequest(frame=pcm_frame(second, 16000, seq))
+                    await asyncio.sleep(0.005)
+
+            calls.append(stub.Converse(flood()))
+            await expect_error(calls[0], grpc.StatusCode.RESOURCE_EXHAUSTED, "faster than real time")
+            assert "calm" in server.servicer.active and "flood" not in server.servicer.active
+            calm.cancel()
     finally:
         await server.stop()

@@ -114,3 +114,18 @@ async def test_worker_pool_cancelled_waiter_does_not_leak_the_worker() -> None:
     assert (await pool.run(sum, [1, 2])).result == 3
     assert pool.busy == 0
     pool.shutdown()
+
+
+def test_audio_faster_than_real_time_is_refused_beyond_the_allowed_lead() -> None:
+    now = [0.0]
+    checker = FrameChecker(16000, max_ahead_ms=200, clock=lambda: now[0])
+    frame = b"\x00\x00" * 320  # 20 ms
+    for seq in range(10):  # 200 ms at once: as far ahead of the clock as allowed
+        checker.check(audio_pb2.AudioFrame(data=frame, seq=seq, encoding=audio_pb2.AUDIO_ENCODING_PCM16LE))
+    with pytest.raises(RequestError) as flood:
+        checker.check(audio_pb2.AudioFrame(data=frame, seq=10, encoding=audio_pb2.AUDIO_ENCODING_PCM16LE))
+    assert flood.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "faster than real time" in flood.value.message
+    real_time = FrameChecker(16000, max_ahead_ms=200, clock=lambda: now[0])
+    for seq in range(500):  # 10 s at real pace is fine
+        now[0] = seq * 0.02
+        real_time.check(audio_pb2.AudioFrame(data=frame, seq=seq, encoding=audio_pb2.AUDIO_ENCODING_PCM16LE))
