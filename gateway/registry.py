@@ -156,7 +156,12 @@ class SessionRegistry:
         resume_token = conversation.new_resume_token()
         history = conversation.history
         session = Session(
-            options, self.backends, history, transport=door, log_transcripts=self.settings.log_transcripts
+            options,
+            self.backends,
+            history,
+            transport=door,
+            log_transcripts=self.settings.log_transcripts,
+            history_max_chars=self.settings.history_max_chars,
         )
         session.resume_token = resume_token
         self.active[options.session_id] = session

@@ -45,6 +45,20 @@ class TtsDown(Exception):
     """The session's TTS stream is down (being reconnected): a reply cannot be spoken now."""
 
 
+def trim_history(history: list[HistoryEntry], max_chars: int) -> None:
+    """Past `max_chars` of text, drop the oldest turns (in place) down to half of it, starting again at a user's
+    utterance. Dropping half at once keeps the prompt's prefix, and so the LLM's prefix cache, the same for many
+    turns, where dropping one turn at a time would change it every turn."""
+    total = sum(len(entry.text) for entry in history)
+    if total <= max_chars:
+        return
+    drop = 0
+    while drop < len(history) - 1 and (total > max_chars // 2 or history[drop].role != "user"):
+        total -= len(history[drop].text)
+        drop += 1
+    del history[:drop]
+
+
 @dataclass(frozen=True)
 class HistoryEntry:
     """One utterance of the dialogue as it was heard."""
@@ -128,9 +142,11 @@ class Session:
         history: list[HistoryEntry],
         transport: str = "grpc",
         log_transcripts: bool = False,
+        history_max_chars: int = 0,
     ) -> None:
         self.options = options
         self.log_transcripts = log_transcripts  # what was said, in the turn's log line: personal data
+        self.history_max_chars = history_max_chars  # 0 = unbounded
         self.resume_token = ""  # the secret that lets this session's owner resume it (set by the registry)
         self.pipeline = options.pipeline
         self.backends = backends
@@ -503,6 +519,8 @@ class Session:
         text = " ".join(reply.spoken_chunks)
         if text:
             self.history.append(HistoryEntry("assistant", text, interrupted))
+        if self.history_max_chars:
+            trim_history(self.history, self.history_max_chars)
         self._emit_metrics(reply)
         if reply.span is not None:
             reply.span.end()

@@ -19,6 +19,11 @@ class GatewaySettings(config.ServerSettings):
     tts_target: str = config.setting("127.0.0.1:50063", "TTS replicas: host:port[,host:port] or dns:///name:port")
     max_sessions: int = config.setting(64, "concurrent sessions; more are refused with RESOURCE_EXHAUSTED")
     remembered_sessions: int = config.setting(10_000, "histories kept for reconnects (least recently used go first)")
+    history_max_chars: int = config.setting(
+        3000,
+        "dialogue kept per session, in characters (~750 tokens: with a 2000-character system prompt and the reply "
+        "it fits the embedded model's 2048-token context); past it the oldest half goes",
+    )
     http_port: int = config.setting(
         8080, "HTTP port of the browser doors (page, /api/offer, /api/ws); -1 = off; with --port 0 it is 0 too"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from gateway.options import PipelineOptions, SessionOptions
-from gateway.session import ReplyFrame, Session
+from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
 from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, tts_pb2
 
@@ -121,3 +121,16 @@ async def test_a_pause_holds_the_audio_and_the_resume_plays_on_from_where_it_pau
         assert session.history[-1].text == "One two three four." and not session.history[-1].interrupted
     finally:
         await session.close()
+
+
+def test_the_history_keeps_the_latest_turns_within_its_budget_and_drops_half_at_once() -> None:
+    history = [
+        HistoryEntry("user" if index % 2 == 0 else "assistant", f"{index:03d}" + "x" * 96) for index in range(200)
+    ]
+    trim_history(history, max_chars=3000)  # 100 turns of 200 characters: 20000 characters
+    assert sum(len(entry.text) for entry in history) <= 1500
+    assert history[0].role == "user" and history[-1].text.startswith("199"), "the latest turns, whole"
+    kept = list(history)
+    history += [HistoryEntry("user", "a" * 100), HistoryEntry("assistant", "b" * 100)]
+    trim_history(history, max_chars=3000)
+    assert history[: len(kept)] == kept, "within the budget nothing moves, so the prompt's prefix stays cached"
