@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from tests.conftest import clip_path, free_port
+from tests.unit.test_loadtest import REPORT_KEYS  # the keys users' tooling reads, written once
 from voicemesh import cli
 from voicemesh.loadtest import LoadTestOptions, LoadTestReport, loadtest, run_loadtest
 from voicemesh.stages import STAGE_NAMES
@@ -22,22 +23,6 @@ from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 pytestmark = pytest.mark.integration
 
 CLIPS = ("spk1_snt1", "spk2_snt1")
-REPORT_KEYS = {
-    "kind",
-    "config",
-    "started_at_us",
-    "machine",
-    "wall_s",
-    "turns",
-    "throughput",
-    "v2v_ms",
-    "stages_ms",
-    "live_sessions",
-    "sessions",
-    "per_turn",
-    "files",
-    "percentile_method",
-}
 
 
 def clip_paths() -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""The Helm chart's wiring, rendered offline: probes, backend targets, autoscalers, GPU values, images, full check.
+"""The Helm chart's wiring, rendered offline: probes, backend targets, autoscalers, GPU values, security, images.
 
 Drives deploy/k8s/checks/ (the modules behind deploy/k8s/check.py); the tools come from
 deploy/k8s/requirements.txt (their own venv).
@@ -6,6 +6,7 @@ deploy/k8s/requirements.txt (their own venv).
 
 from __future__ import annotations
 
+import base64
 import copy
 import shutil
 import sys
@@ -33,6 +34,10 @@ from checks.dockerignore import DockerIgnore  # noqa: E402
 from checks.objects import component_name, container, env_of, find, one, pods_selected, port_of  # noqa: E402
 
 PORTS = {"asr": 50061, "llm": 50062, "tts": 50063, "gateway": 50051}
+BACKENDS = ("asr", "llm", "tts")
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+NOTES = "voicemesh/templates/NOTES.txt"
+AUTH_OFF = {"gateway": {"auth": {"enabled": False}}, "serviceAuth": {"enabled": False}}
 
 
 @pytest.fixture(scope="module")
@@ -40,17 +45,34 @@ def rendered():
     return {name: render.render_scenario(name) for name in settings.SCENARIOS}
 
 
-def deployment(result, component):
-    return one(result.objects, "Deployment", component_name(component))
+def deployment(result, component, release=settings.RELEASE):
+    return one(result.objects, "Deployment", component_name(component, release))
+
+
+def with_credentials(**kwargs):
+    """render.render with the credential Secrets named (values.yaml alone refuses to render: auth is on)."""
+    return render.render([settings.CREDENTIALS], **kwargs)
+
+
+def secret_refs(result):
+    """(deployment name, env name) -> secretKeyRef, for every env entry read from a Secret."""
+    return {
+        (d["metadata"]["name"], e["name"]): e["valueFrom"]["secretKeyRef"]
+        for d in find(result.objects, "Deployment")
+        for e in container(d).get("env", [])
+        if "secretKeyRef" in e.get("valueFrom", {})
+    }
 
 
 @pytest.mark.parametrize("scenario", list(settings.SCENARIOS))
-def test_every_probe_hits_the_containers_grpc_port(rendered, scenario):
+def test_every_probe_hits_the_grpc_port_or_the_health_port(rendered, scenario):
     for component, port in PORTS.items():
-        ctr = container(deployment(rendered[scenario], component))
-        assert port_of(deployment(rendered[scenario], component), "grpc") == port
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert ctr[probe]["grpc"] == {"port": port}, (component, probe)
+        d = deployment(rendered[scenario], component)
+        assert port_of(d, "grpc") == port
+        health = port_of(d, "health")
+        expected = port if health is None else health
+        for probe in PROBES:
+            assert container(d)[probe]["grpc"] == {"port": expected}, (component, probe)
 
 
 def test_gateway_llm_target_is_the_llm_headless_service(rendered):
@@ -68,7 +90,7 @@ def test_gateway_llm_target_is_the_llm_headless_service(rendered):
 
 
 def test_targets_follow_release_and_namespace():
-    result = render.render(release="prod", namespace="voice")
+    result = with_credentials(release="prod", namespace="voice")
     env = env_of(one(result.objects, "Deployment", "prod-voicemesh-gateway"))
     assert env["VOICEMESH_GATEWAY_LLM_TARGET"] == "dns:///prod-voicemesh-llm-headless.voice.svc.cluster.local:50062"
     one(result.objects, "Service", "prod-voicemesh-llm-headless")
@@ -146,7 +168,7 @@ def test_pods_are_locked_down(rendered):
 
 
 def test_models_volume_switch_mounts_the_claim_and_sets_paths():
-    result = render.render(
+    result = with_credentials(
         set_values={
             "models": {
                 "volume": {
@@ -173,7 +195,7 @@ def test_models_volume_switch_mounts_the_claim_and_sets_paths():
 
 def test_vllm_without_model_volume_refuses_to_render():
     with pytest.raises(Exception, match="packaged GGUF"):
-        render.render(set_values={"llm": {"engine": "vllm"}})
+        with_credentials(set_values={"llm": {"engine": "vllm"}})
 
 
 def test_wiring_check_catches_a_probe_on_the_wrong_port(rendered):
@@ -205,14 +227,231 @@ def test_full_check_passes():
         {"serviceAccount": {"create": False}, "common": {"topologySpread": {"enabled": False}}},
         {name: {"pdb": {"enabled": False}, "autoscaling": {"enabled": False}} for name in PORTS},
         {"gateway": {"existingSecret": "creds", "targets": {"llm": "dns:///llm.elsewhere:50062"}}},
+        AUTH_OFF,
+        {"serviceAuth": {"enabled": False}, "serviceTLS": {"enabled": True, "existingSecret": "s", "mutual": True}},
+        {"gateway": {"tls": {"existingSecret": "gw-tls"}, "auth": {"enabled": False}}},
     ],
-    ids=["no-metrics-no-netpol", "no-sa-no-spread", "no-pdb-no-hpa", "external-secret-and-target"],
+    ids=[
+        "no-metrics-no-netpol",
+        "no-sa-no-spread",
+        "no-pdb-no-hpa",
+        "external-secret-and-target",
+        "auth-off",
+        "mtls-instead-of-token",
+        "tls-without-auth",
+    ],
 )
 def test_switches_render_valid_and_consistent(set_values):
-    result = render.render(set_values=set_values, release="edge")
+    result = with_credentials(set_values=set_values, release="edge")
     failures, _ = schema.validate_objects(result.objects)
     assert failures == []
     assert wiring.wiring_problems(result) == []
+
+
+# --- Security: fails closed, TLS, credentials -------------------------------------------------------------
+
+
+def test_auth_on_without_a_credential_refuses_to_render():
+    with pytest.raises(
+        Exception, match=r"gateway.auth.enabled is true but no client credential.*gateway.existingSecret"
+    ):
+        render.render()
+    with pytest.raises(
+        Exception, match=r"serviceAuth.enabled is true but no service token.*serviceAuth.existingSecret"
+    ):
+        render.render(set_values={"gateway": {"auth": {"token": "t" * 24}}})
+    with pytest.raises(Exception, match=r"no key of gateway\.existingSecret"):
+        with_credentials(set_values={"gateway": {"auth": {"existingSecretKeys": {"token": ""}}}})
+    with pytest.raises(Exception, match=r"gateway\.auth\.token and gateway\.auth\.jwtKeys must be empty"):
+        with_credentials(set_values={"gateway": {"auth": {"token": "t" * 24}}})
+
+
+def test_auth_explicitly_off_renders_without_auth_env_and_says_so():
+    result = render.render(set_values=AUTH_OFF)
+    assert not find(result.objects, "Secret")
+    assert secret_refs(result) == {}
+    for component in PORTS:
+        d = deployment(result, component)
+        names = set(env_of(d))
+        assert not names & {f"VOICEMESH_{component.upper()}_{s}" for s in ("AUTH_TOKEN", "JWT_KEYS", "SERVICE_TOKEN")}
+        assert port_of(d, "health") is None  # nothing guards the grpc port: the probes stay on it
+    notes = result.files[NOTES]
+    assert "gateway authentication is OFF" in notes and "service token is OFF" in notes
+    assert "authentication is OFF" not in with_credentials().files[NOTES]
+
+
+@pytest.mark.parametrize("scenario", ["default", "gpu", "secure", "all-features"])
+def test_secret_key_references_are_never_optional(rendered, scenario):
+    refs = secret_refs(rendered[scenario])
+    assert refs
+    for where, ref in refs.items():
+        assert "optional" not in ref, where
+    if scenario in ("default", "gpu"):
+        assert refs[("voicemesh-gateway", "VOICEMESH_GATEWAY_AUTH_TOKEN")] == {
+            "name": "voicemesh-gateway-credentials",
+            "key": "auth-token",
+        }
+
+
+def test_wiring_check_refuses_an_optional_secret_reference(rendered):
+    broken = copy.deepcopy(rendered["default"])
+    for item in container(deployment(broken, "gateway"))["env"]:
+        if item["name"] == "VOICEMESH_GATEWAY_AUTH_TOKEN":
+            item["valueFrom"]["secretKeyRef"]["optional"] = True
+    assert any("VOICEMESH_GATEWAY_AUTH_TOKEN is optional" in p for p in wiring.wiring_problems(broken))
+
+
+@pytest.mark.parametrize("scenario", ["default", "all-features", "secure"])
+def test_services_take_the_token_the_gateway_sends(rendered, scenario):
+    result = rendered[scenario]
+    refs = secret_refs(result)
+    sent = refs[("voicemesh-gateway", "VOICEMESH_GATEWAY_SERVICE_TOKEN")]
+    for backend in BACKENDS:
+        assert refs[(f"voicemesh-{backend}", f"VOICEMESH_{backend.upper()}_AUTH_TOKEN")] == sent, backend
+    expected = {"default": "voicemesh-service-credentials", "all-features": "voicemesh-service-auth"}
+    assert sent["name"] == expected.get(scenario, "voicemesh-service-credentials")
+    if scenario == "all-features":  # the chart's own Secret holds the value from values
+        secret = one(result.objects, "Secret", "voicemesh-service-auth")
+        assert base64.b64decode(secret["data"][sent["key"]]).decode() == result.values["serviceAuth"]["token"]
+
+
+def test_tls_values_mount_the_secrets_and_point_env_at_them(rendered):
+    result = rendered["secure"]
+    gateway = deployment(result, "gateway")
+    env, ctr = env_of(gateway), container(gateway)
+    volumes = {v["name"]: v for v in gateway["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["name"]: m for m in ctr["volumeMounts"]}
+    assert volumes["tls"]["secret"]["secretName"] == "voicemesh-gateway-tls"
+    assert [i["key"] for i in volumes["tls"]["secret"]["items"]] == ["tls.crt", "tls.key"]
+    assert volumes["client-ca"]["secret"]["secretName"] == "voicemesh-clients-ca"
+    assert all(m["readOnly"] for m in mounts.values() if m["name"] in ("tls", "client-ca", "service-tls"))
+    assert env["VOICEMESH_GATEWAY_TLS_CERT"] == mounts["tls"]["mountPath"] + "/tls.crt"
+    assert env["VOICEMESH_GATEWAY_TLS_KEY"] == mounts["tls"]["mountPath"] + "/tls.key"
+    assert env["VOICEMESH_GATEWAY_TLS_CLIENT_CA"] == mounts["client-ca"]["mountPath"] + "/ca.crt"
+    service_tls = mounts["service-tls"]["mountPath"]
+    assert env["VOICEMESH_GATEWAY_SERVICE_TLS_CA"] == service_tls + "/ca.crt"
+    assert env["VOICEMESH_GATEWAY_SERVICE_TLS_CERT"] == service_tls + "/tls.crt"
+    sources = [s["secret"]["name"] for s in volumes["service-tls"]["projected"]["sources"]]
+    assert sources == ["voicemesh-services-tls", "voicemesh-gateway-client-tls"]  # the CA, then its own pair
+    for backend in BACKENDS:
+        d = deployment(result, backend)
+        env, prefix = env_of(d), f"VOICEMESH_{backend.upper()}_"
+        (volume,) = [v for v in d["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls"]
+        assert volume["secret"]["secretName"] == "voicemesh-services-tls"
+        assert env[prefix + "TLS_CERT"] == "/etc/voicemesh/tls/tls.crt"
+        assert env[prefix + "TLS_CLIENT_CA"] == "/etc/voicemesh/tls/ca.crt"  # mutual: the gateway's cert is checked
+    http = [p for p in one(result.objects, "Service", "voicemesh-gateway")["spec"]["ports"] if p["name"] == "http"]
+    assert http[0]["appProtocol"] == "https"
+    default = deployment(rendered["default"], "gateway")
+    assert not {"VOICEMESH_GATEWAY_TLS_CERT", "VOICEMESH_GATEWAY_SERVICE_TLS_CA"} & set(env_of(default))
+    with pytest.raises(Exception, match="mutual TLS is TLS first"):
+        with_credentials(set_values={"gateway": {"tls": {"clientCASecret": "ca"}}})
+    with pytest.raises(Exception, match=r"serviceTLS\.enabled needs serviceTLS\.existingSecret"):
+        with_credentials(set_values={"serviceTLS": {"enabled": True}})
+
+
+@pytest.mark.parametrize(
+    ("set_values", "guarded"),
+    [
+        (AUTH_OFF, set()),
+        ({"serviceAuth": {"enabled": False}}, {"gateway"}),
+        ({"gateway": {"auth": {"enabled": False}}}, set(BACKENDS)),
+        ({**AUTH_OFF, "serviceTLS": {"enabled": True, "existingSecret": "s"}}, set(BACKENDS)),
+        ({**AUTH_OFF, "gateway": {"auth": {"enabled": False}, "tls": {"existingSecret": "t"}}}, {"gateway"}),
+        ({"common": {"healthPort": 9000}}, set(PORTS)),
+    ],
+    ids=["all-off", "client-auth", "service-token", "service-tls", "gateway-tls", "health-port-moved"],
+)
+def test_probes_use_the_health_port_when_tls_or_auth_is_on(set_values, guarded):
+    result = with_credentials(set_values=set_values)
+    health_port = result.values["common"]["healthPort"]
+    for component, port in PORTS.items():
+        d = deployment(result, component)
+        expected = health_port if component in guarded else port
+        assert {container(d)[probe]["grpc"]["port"] for probe in PROBES} == {expected}, component
+        assert (port_of(d, "health") == health_port) == (component in guarded), component
+        assert env_of(d).get(f"VOICEMESH_{component.upper()}_HEALTH_PORT") == (
+            str(health_port) if component in guarded else None
+        )
+    for service in find(result.objects, "Service"):
+        assert "health" not in {p["name"] for p in service["spec"]["ports"]}, service["metadata"]["name"]
+    assert not wiring.wiring_problems(result)
+    with pytest.raises(Exception, match=r"common\.healthPort 9464 collides"):
+        with_credentials(set_values={"common": {"healthPort": 9464}})
+
+
+def test_wiring_check_refuses_a_probe_on_a_guarded_grpc_port(rendered):
+    broken = copy.deepcopy(rendered["secure"])
+    container(deployment(broken, "llm"))["livenessProbe"]["grpc"]["port"] = 50062
+    assert any("voicemesh-llm: livenessProbe" in p for p in wiring.wiring_problems(broken))
+
+
+@pytest.mark.parametrize("scenario", list(settings.SCENARIOS))
+def test_transcripts_stay_out_of_logs_unless_turned_on(rendered, scenario):
+    on = scenario == "all-features"  # the check-only overlay turns every switch on
+    for component in PORTS:
+        value = env_of(deployment(rendered[scenario], component))[f"VOICEMESH_{component.upper()}_LOG_TRANSCRIPTS"]
+        assert value == ("true" if on else "false"), (scenario, component)
+    assert ("personal data" in rendered[scenario].files[NOTES]) == on
+
+
+def test_turn_secret_and_urls_reach_the_gateway(rendered):
+    env = env_of(deployment(rendered["secure"], "gateway"))
+    assert env["VOICEMESH_GATEWAY_TURN_SECRET"] == {"secretKeyRef": {"name": "voicemesh-turn", "key": "turn-secret"}}
+    assert env["VOICEMESH_GATEWAY_TURN_URLS"] == (
+        "turn:turn.example.com:3478?transport=udp,turns:turn.example.com:5349?transport=tcp"
+    )
+    assert env["VOICEMESH_GATEWAY_TURN_TTL_S"] == "600"
+    assert env["VOICEMESH_GATEWAY_ICE_SERVERS"] == '[{"urls":["stun:stun.example.com:3478"]}]'
+    assert not any(k.startswith("VOICEMESH_GATEWAY_TURN_") for k in env_of(deployment(rendered["default"], "gateway")))
+    with pytest.raises(Exception, match=r"needs gateway\.turn\.urls"):
+        with_credentials(set_values={"gateway": {"turn": {"existingSecret": "turn"}}})
+    with pytest.raises(Exception, match="not a turn: or turns: URL"):
+        with_credentials(set_values={"gateway": {"turn": {"existingSecret": "turn", "urls": ["stun:x:3478"]}}})
+    static = [{"urls": ["turn:turn.example.com:3478"], "username": "u", "credential": "c"}]
+    with pytest.raises(Exception, match="no username or credential in values"):
+        with_credentials(set_values={"gateway": {"webrtc": {"iceServers": static}}})
+
+
+def test_jwt_keys_must_be_long_enough():
+    keys = {"gateway": {"existingSecret": "", "auth": {"jwtKeys": "k1:too-short"}}}
+    with pytest.raises(Exception, match="at least 32 bytes"):
+        with_credentials(set_values=keys)
+    keys["gateway"]["auth"]["jwtKeys"] = "k1:" + "x" * 32
+    refs = secret_refs(with_credentials(set_values=keys))
+    assert refs[("voicemesh-gateway", "VOICEMESH_GATEWAY_JWT_KEYS")] == {"name": "voicemesh-gateway", "key": "jwt-keys"}
+    assert ("voicemesh-gateway", "VOICEMESH_GATEWAY_AUTH_TOKEN") not in refs  # only the keys named are read
+
+
+def test_credentials_given_in_values_stay_in_secrets(rendered):
+    result = rendered["all-features"]
+    auth = result.values["gateway"]["auth"]
+    credentials = [
+        auth["token"],
+        *(e.split(":", 1)[1] for e in auth["jwtKeys"].split(",")),
+        result.values["serviceAuth"]["token"],
+    ]
+    for obj in result.objects:
+        if obj["kind"] == "Secret":
+            continue
+        text = str(obj)
+        for credential in credentials:
+            assert credential not in text, (obj["kind"], obj["metadata"]["name"])
+            assert base64.b64encode(credential.encode()).decode() not in text
+    for configmap in find(result.objects, "ConfigMap"):
+        assert not any(k.endswith(("TOKEN", "KEYS", "SECRET")) for k in configmap.get("data", {}))
+    gateway_secret = one(result.objects, "Secret", "voicemesh-gateway")
+    assert base64.b64decode(gateway_secret["data"]["auth-token"]).decode() == auth["token"]
+
+
+def test_notes_warn_about_plaintext_exposure():
+    exposed = {"gateway": {"service": {"type": "LoadBalancer"}, "ingress": {"enabled": True}}}
+    notes = with_credentials(set_values=exposed).files[NOTES]
+    assert "LoadBalancer without TLS" in notes and "Ingress serves plain HTTP" in notes
+    exposed["gateway"]["tls"] = {"existingSecret": "gw-tls"}
+    exposed["gateway"]["ingress"]["tlsSecretName"] = "edge-tls"
+    notes = with_credentials(set_values=exposed).files[NOTES]
+    assert "without TLS" not in notes and "plain HTTP" not in notes and "backend-protocol" in notes
 
 
 # --- .dockerignore: Docker's rules, through pathspec ------------------------------------------------------

@@ -353,21 +353,25 @@ def test_report_counts_summarises_and_keeps_its_json_keys(tmp_path: Path) -> Non
     assert "files" not in _report([420.0], failed=0).to_json()
 
 
-def test_sweep_json_keeps_its_keys() -> None:
-    levels = [_level(1, True, ReportFiles.under("/out/sessions-1", "loadtest")), _level(2, False)]
+def _sweep(levels: list[SweepLevel], files: ReportFiles | None = None) -> SweepResult:
     growth = queue_growth(levels)
-    result = SweepResult(
+    return SweepResult(
         target="127.0.0.1:1",
         transport="grpc",
         turns_per_session=2,
         budget_ms=1500.0,
-        levels_requested=[1, 2],
+        levels_requested=[level.sessions for level in levels],
         levels=levels,
         capacity_sessions=capacity(levels),
         first_queue_to_grow=growth,
         machine=Machine.here(),
         verdict=verdict(levels, capacity(levels), 1500.0, growth),
+        files=files,
     )
+
+
+def test_sweep_json_keeps_its_keys() -> None:
+    result = _sweep([_level(1, True, ReportFiles.under("/out/sessions-1", "loadtest")), _level(2, False)])
     data = json.loads(json.dumps(result.to_json()))
     assert set(data) == {
         "kind",
@@ -423,20 +427,7 @@ def test_summary_table_lists_every_stage_and_the_failures() -> None:
 
 def test_html_sweep_report_links_each_level() -> None:
     levels = [_level(n, True, ReportFiles.under(f"/out/sessions-{n}", "loadtest")) for n in (1, 2)]
-    growth = queue_growth(levels)
-    result = SweepResult(
-        target="127.0.0.1:1",
-        transport="grpc",
-        turns_per_session=2,
-        budget_ms=1500.0,
-        levels_requested=[1, 2],
-        levels=levels,
-        capacity_sessions=2,
-        first_queue_to_grow=growth,
-        machine=Machine.here(),
-        verdict="2 session(s) within budget",
-        files=ReportFiles.under("/out", "sweep"),
-    )
+    result = _sweep(levels, ReportFiles.under("/out", "sweep"))
     html = render_sweep(result)
     assert 'href="sessions-1/loadtest.html"' in html and 'href="sessions-2/loadtest.html"' in html
     assert len(_svgs(html)) == 2
