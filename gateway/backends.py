@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 RETRY_ELSEWHERE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 HEALTH_TIMEOUT_S = 1.0
+READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
 
 
 class Backends:
@@ -119,9 +120,23 @@ class Backends:
             if load is not None:
                 load.in_flight -= 1
 
-    async def ready(self, target: str) -> None:
-        """Wait until the channel to `target` is connected (gRPC keeps retrying with backoff meanwhile)."""
-        await self.channel(target).channel_ready()
+    async def ready(self, target: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until the channel to `target` is connected (gRPC keeps retrying with backoff meanwhile).
+
+        Past `timeout_s` the replica is marked down, so the next pick avoids it (a dead pod's address never comes
+        back), and UNAVAILABLE is raised for the caller to report and retry."""
+        try:
+            await asyncio.wait_for(self.channel(target).channel_ready(), timeout_s)
+        except TimeoutError:
+            for stage, replicas in self.sets.items():
+                if target in replicas.replicas:
+                    self.mark_down(stage, target)
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.UNAVAILABLE,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
+                f"{target} did not connect within {timeout_s:g} s",
+            ) from None
 
     # ---- the sticky LLM --------------------------------------------------------------------------------
     def llm_order(self, session_id: str) -> list[str]:
