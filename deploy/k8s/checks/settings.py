@@ -18,12 +18,16 @@ NAMESPACE = "voicemesh"
 COMPONENTS = ("asr", "llm", "tts", "gateway")
 BACKENDS = ("asr", "llm", "tts")
 
+#: Check-only overlay naming the credential Secrets: values.yaml alone refuses to render (auth is on by default).
+CREDENTIALS = "ci/values-credentials.yaml"
+
 #: Values scenarios: name -> overlay files (relative to the chart) applied over values.yaml, in order.
 SCENARIOS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "cpu-small": ("values-cpu-small.yaml",),
+    "default": (CREDENTIALS,),
+    "cpu-small": ("values-cpu-small.yaml", CREDENTIALS),
     "gpu": ("values-gpu.yaml",),
     "all-features": ("ci/values-all-features.yaml",),
+    "secure": ("ci/values-secure.yaml",),
 }
 
 #: values.yaml keys whose children are user-defined (no typo check below them).

@@ -50,10 +50,7 @@ def deployment_problems(rendered: Rendered, component: str, deployment: Object) 
     grpc_port = port_of(deployment, "grpc")
     if grpc_port != values[component]["port"]:
         problems.append(f"{name}: grpc containerPort {grpc_port} != values {component}.port")
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        got = ctr.get(probe, {}).get("grpc", {}).get("port")
-        if got != grpc_port:
-            problems.append(f"{name}: {probe} grpc port {got} != container grpc port {grpc_port}")
+    problems += _probe_problems(name, component, deployment)
     if ctr.get("command") != ["voicemesh", "serve", component]:
         problems.append(f"{name}: command {ctr.get('command')} is not voicemesh serve {component}")
     if ctr.get("imagePullPolicy") != "IfNotPresent":
@@ -67,6 +64,7 @@ def deployment_problems(rendered: Rendered, component: str, deployment: Object) 
     grace = pod["terminationGracePeriodSeconds"]
     if drain < 0 or grace < drain + sleep:
         problems.append(f"{name}: terminationGracePeriodSeconds {grace} < preStop {sleep} + drain {drain}")
+    problems += _file_setting_problems(name, ctr)
     if env.get(prefix + "HOST") != "0.0.0.0":
         problems.append(f"{name}: {prefix}HOST is not 0.0.0.0: probes could not reach it")
     mounts = {m["mountPath"] for m in ctr.get("volumeMounts", [])}
@@ -78,26 +76,105 @@ def deployment_problems(rendered: Rendered, component: str, deployment: Object) 
     return problems + _reference_problems(objects, values, deployment)
 
 
+#: Env settings (suffixes of VOICEMESH_<SERVICE>_) that turn on TLS or a credential on a component's gRPC port.
+_GUARDS = ("TLS_CERT", "AUTH_TOKEN", "JWT_KEYS")
+
+#: Env settings that name a file in the pod (a mounted certificate).
+_FILE_SETTINGS = re.compile(r"VOICEMESH_[A-Z]+_(SERVICE_)?TLS_(CERT|KEY|CLIENT_CA|CA)")
+
+
+def _probe_problems(name: str, component: str, deployment: Object) -> list[str]:
+    """Probes hit the grpc port, or the plaintext health port whenever TLS or a credential guards the grpc port."""
+    ctr, env = container(deployment), env_of(deployment)
+    prefix = f"VOICEMESH_{component.upper()}_"
+    health_port = port_of(deployment, "health")
+    guarded = [s for s in _GUARDS if prefix + s in env]
+    problems: list[str] = []
+    if (prefix + "HEALTH_PORT" in env) != (health_port is not None):
+        problems.append(f"{name}: {prefix}HEALTH_PORT and a container port named health go together")
+    elif health_port is not None and str(env[prefix + "HEALTH_PORT"]) != str(health_port):
+        problems.append(f"{name}: {prefix}HEALTH_PORT {env[prefix + 'HEALTH_PORT']} != health containerPort")
+    if guarded and health_port is None:
+        problems.append(f"{name}: {', '.join(guarded)} set but no plaintext health port: kubelet probes would fail")
+    expected = health_port if guarded or health_port is not None else port_of(deployment, "grpc")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        got = ctr.get(probe, {}).get("grpc", {}).get("port")
+        if got != expected:
+            problems.append(f"{name}: {probe} grpc port {got} != {'health' if guarded else 'grpc'} port {expected}")
+    return problems
+
+
+def _file_setting_problems(name: str, ctr: dict[str, Any]) -> list[str]:
+    """Certificate settings name files under a read-only mount of the container."""
+    mounts = {m["mountPath"]: m for m in ctr.get("volumeMounts", [])}
+    problems: list[str] = []
+    for item in ctr.get("env", []):
+        if not _FILE_SETTINGS.fullmatch(item["name"]):
+            continue
+        value = str(item.get("value", ""))
+        mount = mounts.get(value.rsplit("/", 1)[0])
+        if mount is None:
+            problems.append(f"{name}: {item['name']}={value} is not in a mounted volume")
+        elif not mount.get("readOnly"):
+            problems.append(f"{name}: {item['name']} is on a writable mount {mount['mountPath']}")
+    return problems
+
+
+def existing_secrets(values: dict[str, Any]) -> set[str]:
+    """Secrets the values name as existing (made outside the chart)."""
+    gateway = values["gateway"]
+    names = {
+        gateway["existingSecret"],
+        gateway["tls"]["existingSecret"],
+        gateway["tls"]["clientCASecret"],
+        gateway["turn"]["existingSecret"],
+        values["serviceAuth"]["existingSecret"],
+        values["serviceTLS"]["existingSecret"],
+        values["serviceTLS"]["clientSecret"],
+    }
+    return names - {""}
+
+
+def _volume_secrets(volume: dict[str, Any]) -> list[str]:
+    """The Secrets a pod volume reads (secret or projected)."""
+    names = [volume["secret"]["secretName"]] if "secret" in volume else []
+    names += [s["secret"]["name"] for s in volume.get("projected", {}).get("sources", []) if "secret" in s]
+    return names
+
+
 def _reference_problems(objects: list[Object], values: dict[str, Any], deployment: Object) -> list[str]:
     """ConfigMaps, Secrets and volume claims the pod refers to: rendered, or named in values as existing."""
     name = deployment["metadata"]["name"]
     ctr = container(deployment)
     problems: list[str] = []
+    existing = existing_secrets(values)
     for ref in [f["configMapRef"]["name"] for f in ctr.get("envFrom", []) if "configMapRef" in f]:
         if not find(objects, "ConfigMap", ref):
             problems.append(f"{name}: envFrom ConfigMap {ref} is not rendered")
     for item in ctr.get("env", []):
         secret = item.get("valueFrom", {}).get("secretKeyRef")
-        if (
-            secret
-            and not find(objects, "Secret", secret["name"])
-            and secret["name"] != values["gateway"]["existingSecret"]
-        ):
+        if not secret:
+            continue
+        if secret.get("optional"):
+            problems.append(f"{name}: env {item['name']} is optional: a missing key would run the pod without it")
+        rendered = find(objects, "Secret", secret["name"])
+        if not rendered and secret["name"] not in existing:
             problems.append(
-                f"{name}: env {item['name']} refers to Secret {secret['name']},"
-                " neither rendered nor gateway.existingSecret"
+                f"{name}: env {item['name']} refers to Secret {secret['name']}, neither rendered nor named as existing"
             )
+        elif rendered and secret["key"] not in rendered[0].get("data", {}):
+            problems.append(
+                f"{name}: env {item['name']} refers to key {secret['key']} that Secret {secret['name']} lacks"
+            )
+    mounted = {m["name"] for m in ctr.get("volumeMounts", [])}
     for volume in deployment["spec"]["template"]["spec"].get("volumes", []):
+        if volume["name"] not in mounted:
+            problems.append(f"{name}: volume {volume['name']} is not mounted")
+        for secret_name in _volume_secrets(volume):
+            if not find(objects, "Secret", secret_name) and secret_name not in existing:
+                problems.append(
+                    f"{name}: volume {volume['name']} reads Secret {secret_name}, neither rendered nor existing"
+                )
         claim = volume.get("persistentVolumeClaim", {}).get("claimName")
         if (
             claim

@@ -125,11 +125,323 @@ app.kubernetes.io/part-of: voicemesh
 {{- default (printf "%s-gateway" (include "voicemesh.fullname" .)) .Values.gateway.existingSecret -}}
 {{- end -}}
 
-{{/* True ("true") when the chart creates the gateway Secret. */}}
+{{/* True ("true") when the chart creates the gateway Secret (client credentials given in values). */}}
 {{- define "voicemesh.createGatewaySecret" -}}
-{{- if and (not .Values.gateway.existingSecret) (or .Values.gateway.auth.token .Values.gateway.webrtc.iceServers) -}}
+{{- $auth := .Values.gateway.auth -}}
+{{- if and $auth.enabled (not .Values.gateway.existingSecret) (or $auth.token $auth.jwtKeys) -}}
 true
 {{- end -}}
+{{- end -}}
+
+{{- define "voicemesh.serviceAuthSecretName" -}}
+{{- default (printf "%s-service-auth" (include "voicemesh.fullname" .)) .Values.serviceAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "voicemesh.serviceAuthSecretKey" -}}
+{{- ternary .Values.serviceAuth.existingSecretKey "service-token" (not (empty .Values.serviceAuth.existingSecret)) -}}
+{{- end -}}
+
+{{/* True ("true") when the chart creates the service-token Secret. */}}
+{{- define "voicemesh.createServiceAuthSecret" -}}
+{{- if and .Values.serviceAuth.enabled (not .Values.serviceAuth.existingSecret) .Values.serviceAuth.token -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/*
+Fail closed: refuse a release whose security settings would silently turn something off. Called once from
+deployment.yaml; renders nothing.
+*/}}
+{{- define "voicemesh.validateSecurity" -}}
+{{- $v := .Values -}}
+{{- $auth := $v.gateway.auth -}}
+{{- if $auth.enabled -}}
+{{- if $v.gateway.existingSecret -}}
+{{- if or $auth.token $auth.jwtKeys -}}
+{{- fail "gateway.existingSecret is set, so gateway.auth.token and gateway.auth.jwtKeys must be empty: put the credentials in that Secret" -}}
+{{- end -}}
+{{- if not (or $auth.existingSecretKeys.token $auth.existingSecretKeys.jwtKeys) -}}
+{{- fail (printf "gateway.auth is enabled but no key of gateway.existingSecret %q is named: set gateway.auth.existingSecretKeys.token and/or .jwtKeys" $v.gateway.existingSecret) -}}
+{{- end -}}
+{{- else if not (or $auth.token $auth.jwtKeys) -}}
+{{- fail "gateway.auth.enabled is true but no client credential is configured: set gateway.existingSecret (a Secret with key auth-token, see gateway.auth.existingSecretKeys), or gateway.auth.token / gateway.auth.jwtKeys; or set gateway.auth.enabled=false to run the gateway without authentication" -}}
+{{- end -}}
+{{- range $entry := splitList "," $auth.jwtKeys -}}
+{{- if $entry -}}
+{{- $parts := splitn ":" 2 $entry -}}
+{{- if or (not $parts._0) (lt (len (default "" $parts._1)) 32) -}}
+{{- fail "gateway.auth.jwtKeys: each entry must be kid:secret with a secret of at least 32 bytes" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $service := $v.serviceAuth -}}
+{{- if $service.enabled -}}
+{{- if $service.existingSecret -}}
+{{- if $service.token -}}
+{{- fail "serviceAuth.existingSecret is set, so serviceAuth.token must be empty: put the token in that Secret" -}}
+{{- end -}}
+{{- if not $service.existingSecretKey -}}
+{{- fail "serviceAuth.existingSecretKey must name the key of serviceAuth.existingSecret that holds the service token" -}}
+{{- end -}}
+{{- else if not $service.token -}}
+{{- fail "serviceAuth.enabled is true but no service token is configured: set serviceAuth.existingSecret (a Secret with key service-token, see serviceAuth.existingSecretKey) or serviceAuth.token; or set serviceAuth.enabled=false to let ASR, LLM and TTS take calls without a token" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $v.gateway.tls.clientCASecret (not $v.gateway.tls.existingSecret) -}}
+{{- fail "gateway.tls.clientCASecret needs gateway.tls.existingSecret: mutual TLS is TLS first" -}}
+{{- end -}}
+{{- if $v.serviceTLS.enabled -}}
+{{- if not $v.serviceTLS.existingSecret -}}
+{{- fail "serviceTLS.enabled needs serviceTLS.existingSecret: a Secret with ca.crt, tls.crt and tls.key" -}}
+{{- end -}}
+{{- else if or $v.serviceTLS.mutual $v.serviceTLS.clientSecret -}}
+{{- fail "serviceTLS.mutual and serviceTLS.clientSecret need serviceTLS.enabled: mutual TLS is TLS first" -}}
+{{- end -}}
+{{- if and $v.serviceTLS.clientSecret (not $v.serviceTLS.mutual) -}}
+{{- fail "serviceTLS.clientSecret is the gateway's client certificate: it is only used with serviceTLS.mutual" -}}
+{{- end -}}
+{{- $turn := $v.gateway.turn -}}
+{{- if and $turn.existingSecret (not $turn.urls) -}}
+{{- fail "gateway.turn.existingSecret needs gateway.turn.urls (the turn:/turns: URLs the credentials are for)" -}}
+{{- end -}}
+{{- if and $turn.urls (not $turn.existingSecret) -}}
+{{- fail "gateway.turn.urls needs gateway.turn.existingSecret (the TURN server's shared secret, key gateway.turn.secretKey)" -}}
+{{- end -}}
+{{- if and $turn.existingSecret (not $turn.secretKey) -}}
+{{- fail "gateway.turn.secretKey must name the key of gateway.turn.existingSecret holding the shared secret" -}}
+{{- end -}}
+{{- range $url := $turn.urls -}}
+{{- if not (or (hasPrefix "turn:" $url) (hasPrefix "turns:" $url)) -}}
+{{- fail (printf "gateway.turn.urls: %q is not a turn: or turns: URL" $url) -}}
+{{- end -}}
+{{- end -}}
+{{- if le (float64 $turn.ttlSeconds) 0.0 -}}
+{{- fail "gateway.turn.ttlSeconds must be positive" -}}
+{{- end -}}
+{{- range $server := $v.gateway.webrtc.iceServers -}}
+{{- if or (hasKey $server "username") (hasKey $server "credential") -}}
+{{- fail "gateway.webrtc.iceServers holds STUN servers only: no username or credential in values; give TURN a shared secret in gateway.turn (short-lived credentials)" -}}
+{{- end -}}
+{{- range $url := (kindIs "slice" $server.urls | ternary $server.urls (list $server.urls)) -}}
+{{- if not (hasPrefix "stun:" (toString $url)) -}}
+{{- fail (printf "gateway.webrtc.iceServers: %q is not a stun: URL; TURN goes in gateway.turn" (toString $url)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range $component := splitList " " (include "voicemesh.components" $) -}}
+{{- $c := index $v $component -}}
+{{- $taken := list (int $c.port) -}}
+{{- if $v.metrics.enabled -}}
+{{- $taken = append $taken (int $v.metrics.port) -}}
+{{- end -}}
+{{- if eq $component "gateway" -}}
+{{- $taken = append $taken (int $c.httpPort) -}}
+{{- end -}}
+{{- if and (include "voicemesh.guarded" (dict "root" $ "component" $component)) (has (int $v.common.healthPort) $taken) -}}
+{{- fail (printf "common.healthPort %v collides with another port of the %s pod" $v.common.healthPort $component) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+True ("true") when a component's gRPC port needs TLS or a credential: it then serves grpc.health.v1 in
+plaintext on common.healthPort too, and its probes go there (kubelet gRPC probes do neither TLS nor tokens).
+*/}}
+{{- define "voicemesh.guarded" -}}
+{{- $v := .root.Values -}}
+{{- if eq .component "gateway" -}}
+{{- if or $v.gateway.auth.enabled $v.gateway.tls.existingSecret -}}
+true
+{{- end -}}
+{{- else if or $v.serviceAuth.enabled $v.serviceTLS.enabled -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The port the kubelet's gRPC probes use: the plaintext health port when guarded, else the gRPC port. */}}
+{{- define "voicemesh.probePort" -}}
+{{- if include "voicemesh.guarded" . -}}
+{{- .root.Values.common.healthPort -}}
+{{- else -}}
+{{- (index .root.Values .component).port -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the certificate Secrets are mounted (read-only). */}}
+{{- define "voicemesh.tlsDir" -}}/etc/voicemesh/tls{{- end -}}
+{{- define "voicemesh.clientCADir" -}}/etc/voicemesh/client-ca{{- end -}}
+{{- define "voicemesh.serviceTLSDir" -}}/etc/voicemesh/service-tls{{- end -}}
+
+{{/* A secretKeyRef env entry: (dict "name" ENV "secret" NAME "key" KEY); never optional (fail closed). */}}
+{{- define "voicemesh.secretEnv" -}}
+- name: {{ .name }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ .secret }}
+      key: {{ .key }}
+{{- end -}}
+
+{{/* Security settings of a component: health port, TLS file paths, credentials (from Secrets), transcripts. */}}
+{{- define "voicemesh.securityEnv" -}}
+{{- $v := .root.Values -}}
+{{- $prefix := include "voicemesh.envPrefix" . -}}
+- name: {{ $prefix }}LOG_TRANSCRIPTS
+  value: {{ ternary "true" "false" (eq (toString $v.common.logTranscripts) "true") | quote }}
+{{- if include "voicemesh.guarded" . }}
+- name: {{ $prefix }}HEALTH_PORT
+  value: {{ $v.common.healthPort | quote }}
+{{- end }}
+{{- if eq .component "gateway" }}
+{{- $auth := $v.gateway.auth }}
+{{- if $auth.enabled }}
+{{- $secret := include "voicemesh.gatewaySecretName" .root }}
+{{- $tokenKey := ternary $auth.existingSecretKeys.token (ternary "auth-token" "" (not (empty $auth.token))) (not (empty $v.gateway.existingSecret)) }}
+{{- $jwtKey := ternary $auth.existingSecretKeys.jwtKeys (ternary "jwt-keys" "" (not (empty $auth.jwtKeys))) (not (empty $v.gateway.existingSecret)) }}
+{{- if $tokenKey }}
+{{ include "voicemesh.secretEnv" (dict "name" (printf "%sAUTH_TOKEN" $prefix) "secret" $secret "key" $tokenKey) }}
+{{- end }}
+{{- if $jwtKey }}
+{{ include "voicemesh.secretEnv" (dict "name" (printf "%sJWT_KEYS" $prefix) "secret" $secret "key" $jwtKey) }}
+{{- end }}
+{{- with $auth.jwtAudience }}
+- name: {{ $prefix }}JWT_AUDIENCE
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if $v.serviceAuth.enabled }}
+{{ include "voicemesh.secretEnv" (dict "name" (printf "%sSERVICE_TOKEN" $prefix) "secret" (include "voicemesh.serviceAuthSecretName" .root) "key" (include "voicemesh.serviceAuthSecretKey" .root)) }}
+{{- end }}
+{{- if $v.gateway.tls.existingSecret }}
+- name: {{ $prefix }}TLS_CERT
+  value: {{ include "voicemesh.tlsDir" . }}/tls.crt
+- name: {{ $prefix }}TLS_KEY
+  value: {{ include "voicemesh.tlsDir" . }}/tls.key
+{{- end }}
+{{- if $v.gateway.tls.clientCASecret }}
+- name: {{ $prefix }}TLS_CLIENT_CA
+  value: {{ include "voicemesh.clientCADir" . }}/ca.crt
+{{- end }}
+{{- if $v.serviceTLS.enabled }}
+- name: {{ $prefix }}SERVICE_TLS_CA
+  value: {{ include "voicemesh.serviceTLSDir" . }}/ca.crt
+{{- if $v.serviceTLS.mutual }}
+- name: {{ $prefix }}SERVICE_TLS_CERT
+  value: {{ include "voicemesh.serviceTLSDir" . }}/tls.crt
+- name: {{ $prefix }}SERVICE_TLS_KEY
+  value: {{ include "voicemesh.serviceTLSDir" . }}/tls.key
+{{- end }}
+{{- end }}
+{{- $turn := $v.gateway.turn }}
+{{- if $turn.existingSecret }}
+{{ include "voicemesh.secretEnv" (dict "name" (printf "%sTURN_SECRET" $prefix) "secret" $turn.existingSecret "key" $turn.secretKey) }}
+- name: {{ $prefix }}TURN_URLS
+  value: {{ join "," $turn.urls | quote }}
+- name: {{ $prefix }}TURN_TTL_S
+  value: {{ $turn.ttlSeconds | quote }}
+{{- end }}
+{{- else }}
+{{- if $v.serviceAuth.enabled }}
+{{ include "voicemesh.secretEnv" (dict "name" (printf "%sAUTH_TOKEN" $prefix) "secret" (include "voicemesh.serviceAuthSecretName" .root) "key" (include "voicemesh.serviceAuthSecretKey" .root)) }}
+{{- end }}
+{{- if $v.serviceTLS.enabled }}
+- name: {{ $prefix }}TLS_CERT
+  value: {{ include "voicemesh.tlsDir" . }}/tls.crt
+- name: {{ $prefix }}TLS_KEY
+  value: {{ include "voicemesh.tlsDir" . }}/tls.key
+{{- if $v.serviceTLS.mutual }}
+- name: {{ $prefix }}TLS_CLIENT_CA
+  value: {{ include "voicemesh.tlsDir" . }}/ca.crt
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The certificate mounts of a component (read-only). */}}
+{{- define "voicemesh.securityVolumeMounts" -}}
+{{- $v := .root.Values -}}
+{{- if eq .component "gateway" }}
+{{- if $v.gateway.tls.existingSecret }}
+- name: tls
+  mountPath: {{ include "voicemesh.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if $v.gateway.tls.clientCASecret }}
+- name: client-ca
+  mountPath: {{ include "voicemesh.clientCADir" . }}
+  readOnly: true
+{{- end }}
+{{- if $v.serviceTLS.enabled }}
+- name: service-tls
+  mountPath: {{ include "voicemesh.serviceTLSDir" . }}
+  readOnly: true
+{{- end }}
+{{- else if $v.serviceTLS.enabled }}
+- name: tls
+  mountPath: {{ include "voicemesh.tlsDir" . }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/* The certificate volumes of a component: only the keys it needs, readable by the pod's group only. */}}
+{{- define "voicemesh.securityVolumes" -}}
+{{- $v := .root.Values -}}
+{{- if eq .component "gateway" }}
+{{- with $v.gateway.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+{{- end }}
+{{- with $v.gateway.tls.clientCASecret }}
+- name: client-ca
+  secret:
+    secretName: {{ . }}
+    defaultMode: 0440
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- if $v.serviceTLS.enabled }}
+- name: service-tls
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ $v.serviceTLS.existingSecret }}
+          items:
+            - key: ca.crt
+              path: ca.crt
+      {{- if $v.serviceTLS.mutual }}
+      - secret:
+          name: {{ default $v.serviceTLS.existingSecret $v.serviceTLS.clientSecret }}
+          items:
+            - key: tls.crt
+              path: tls.crt
+            - key: tls.key
+              path: tls.key
+      {{- end }}
+{{- end }}
+{{- else if $v.serviceTLS.enabled }}
+- name: tls
+  secret:
+    secretName: {{ $v.serviceTLS.existingSecret }}
+    defaultMode: 0440
+    items:
+      - key: tls.crt
+        path: tls.crt
+      - key: tls.key
+        path: tls.key
+      {{- if $v.serviceTLS.mutual }}
+      - key: ca.crt
+        path: ca.crt
+      {{- end }}
+{{- end }}
 {{- end -}}
 
 {{/* True ("true") when the scaler (HPA or KEDA) owns the replica count. */}}
@@ -197,21 +509,9 @@ true
 - name: {{ $prefix }}{{ upper $backend }}_TARGET
   value: {{ include "voicemesh.backendTarget" (dict "root" $.root "component" $backend) | quote }}
 {{- end }}
-{{- if or .root.Values.gateway.existingSecret .root.Values.gateway.auth.token }}
-- name: {{ $prefix }}AUTH_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "voicemesh.gatewaySecretName" .root }}
-      key: auth-token
-      optional: {{ not (empty .root.Values.gateway.existingSecret) }}
-{{- end }}
-{{- if or .root.Values.gateway.existingSecret .root.Values.gateway.webrtc.iceServers }}
+{{- with .root.Values.gateway.webrtc.iceServers }}
 - name: {{ $prefix }}ICE_SERVERS
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "voicemesh.gatewaySecretName" .root }}
-      key: ice-servers
-      optional: {{ not (empty .root.Values.gateway.existingSecret) }}
+  value: {{ toJson . | quote }}
 {{- end }}
 {{- end }}
 {{- end -}}
