@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, StatusCode
 
 from services.llm.engine import Engine, GenerationRequest, Message
 from voicemesh import config, serving, telemetry
@@ -151,12 +151,21 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         parent = telemetry.context_from(context.invocation_metadata())
         with self.admission.admit():
             telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
-            with TRACER.start_as_current_span("llm.generate", context=parent) as span:
+            # Not the current span: this generator may be closed from another task's context (the caller gave up),
+            # and detaching a context attached elsewhere is an error. Child spans name it as their parent instead.
+            span = TRACER.start_span("llm.generate", context=parent)
+            try:
                 span.set_attributes(
                     {"session.id": generation.session_id, "replica": self.replica, "model": self.engine.model_name}
                 )
                 async for response in self._generate(generation, span):
                     yield response
+            except Exception as error:
+                span.record_exception(error)
+                span.set_status(StatusCode.ERROR, type(error).__name__)
+                raise
+            finally:
+                span.end()
         telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
 
     async def _generate(self, generation: GenerationRequest, span: Span) -> AsyncIterator[llm_pb2.GenerateResponse]:
