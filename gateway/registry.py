@@ -3,6 +3,7 @@ conversations kept for their owners' reconnects, credentials and the per-client 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import hmac
@@ -98,6 +99,7 @@ class SessionRegistry:
         self.active: dict[str, Session] = {}
         self.authenticator = authenticator_for(settings)
         self.max_audio_ahead_ms = settings.max_audio_ahead_ms or None
+        self.draining = False
         rate = settings.session_starts_per_minute
         self._starts = RateLimiter(rate, max(1, round(rate / 6))) if rate > 0 else None
 
@@ -131,6 +133,10 @@ class SessionRegistry:
         stream ends, and the new one continues its history. Raises RequestError for a bad config, a takeover
         attempt or a full gateway.
         """
+        if self.draining:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE, "this gateway is shutting down; connect again to reach another replica"
+            )
         options = resolve(session_config, uuid.uuid4().hex[:16])
         assert self.backends is not None, "sessions open only after the backends are up"
         conversation = self.conversations.find(options.session_id)
@@ -176,6 +182,18 @@ class SessionRegistry:
         )
         session.events.put_nowait(conversation_pb2.ConverseEvent(started=started))
         return session
+
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new sessions, and wait (at most `grace_s`) until no open session is speaking a reply."""
+        self.draining = True
+        speaking = [session.until_idle() for session in self.active.values()]
+        if not speaking:
+            return
+        log.info("draining", extra={"sessions": len(speaking), "grace_s": grace_s})
+        try:
+            await asyncio.wait_for(asyncio.gather(*speaking), grace_s)
+        except TimeoutError:
+            log.warning("replies still playing at the end of the drain", extra={"grace_s": grace_s})
 
     def history(self, session_id: str) -> list[HistoryEntry]:
         """The history kept for `session_id` (empty if none)."""

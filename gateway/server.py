@@ -23,12 +23,18 @@ class GatewayServer(Server):
     """The gRPC server plus the browser doors' HTTP server, which starts after the backends and stops first."""
 
     http: WebDoor | None = None
+    registry: SessionRegistry | None = None
 
     @property
     def http_port(self) -> int:
         return self.http.port if self.http is not None else 0
 
     async def stop(self) -> None:
+        """Drain, then stop: NOT_SERVING and no new sessions at once, replies being spoken play to their end
+        (within drain_grace_s), and only then are the transports cut."""
+        if self.registry is not None:
+            await self.set_not_serving()
+            await self.registry.drain(self.settings.drain_grace_s)
         if self.http is not None:
             await self.http.stop()
         await super().stop()
@@ -62,6 +68,7 @@ def build_server(settings: GatewaySettings) -> GatewayServer:
         registry,
         unload,
     )
+    server.registry = registry
     return server
 
 

@@ -214,6 +214,10 @@ class Session:
             log.warning("session did not finish in time", extra={"session_id": self.options.session_id})
         self.events.put_nowait(None)
 
+    async def until_idle(self) -> None:
+        """Return once no reply is being generated or spoken (at once if none is)."""
+        await self._idle.wait()
+
     async def close(self) -> None:
         self._closing = True
         if self._tick_handle is not None:

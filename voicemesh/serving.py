@@ -233,6 +233,10 @@ class Server:
         log.info("serving", extra={"services": self.service_names})
         return self.port
 
+    async def set_not_serving(self) -> None:
+        """Tell health checkers (a load balancer, the kubelet) to send no new work here."""
+        await self._health.enter_graceful_shutdown()
+
     async def _set_all(self, status: int) -> None:
         for name in ["", *self.service_names]:
             await self._health.set(name, status)

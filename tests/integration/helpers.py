@@ -40,9 +40,8 @@ async def requests_from(messages: Iterable[object]) -> AsyncIterator[object]:
 
 async def start_gateway(asr: str, llm: str, tts: str, **settings: Any) -> GatewayServer:
     """A gateway in this process on free ports (its browser doors too, unless http_port=-1)."""
-    server = build_server(
-        GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, drain_grace_s=1, **settings)
-    )
+    settings = {"drain_grace_s": 1, **settings}
+    server = build_server(GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, **settings))
     await server.start()
     return server
 

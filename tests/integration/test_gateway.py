@@ -12,21 +12,25 @@ import pytest_asyncio
 
 from gateway.server import GatewaySettings, build_server
 from tests.conftest import free_port, load_clip
-from tests.integration.helpers import expect_error, requests, start_offline_gateway
+from tests.integration.helpers import expect_error, requests, start_gateway, start_offline_gateway
 from voicemesh import clients
 from voicemesh.audio import Clip, pcm16_to_float
 from voicemesh.clients import pcm_frame
-from voicemesh.conversation import Interrupted, ReplyAudio, ReplyText, SessionError, TurnMetrics, UserTranscript, talk
+from voicemesh.conversation import (
+    ConversationClient,
+    Interrupted,
+    ReplyAudio,
+    ReplyDone,
+    ReplyText,
+    SessionError,
+    TurnMetrics,
+    UserTranscript,
+    talk,
+)
 from voicemesh.mesh import Mesh
 from voicemesh.v1 import asr_pb2, conversation_pb2, conversation_pb2_grpc
 
 pytestmark = pytest.mark.integration
-
-
-async def start_gateway(asr: str, llm: str, tts: str):
-    server = build_server(GatewaySettings(port=0, asr_target=asr, llm_target=llm, tts_target=tts, drain_grace_s=1))
-    await server.start()
-    return server
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
@@ -334,3 +338,48 @@ async def test_a_flood_faster_than_real_time_is_refused_and_another_session_goes
             calm.cancel()
     finally:
         await server.stop()
+
+
+async def test_a_stopping_gateway_lets_the_reply_being_spoken_finish_and_refuses_new_sessions(services) -> None:
+    """SIGTERM mid-reply (a rolling update): NOT_SERVING, no new session, the reply plays to its end, then the
+    call ends."""
+    server = await start_gateway(services["asr"], services["llm"], services["tts"], http_port=-1, drain_grace_s=20)
+    target_ = f"127.0.0.1:{server.port}"
+    config = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000)
+    frames = load_clip("spk2_snt1").to_rate(16000).frames() + [b"\x00\x00" * 320] * 400
+    events: list[object] = []
+    stopping: asyncio.Future[None] | None = None
+    refusal = ""
+    try:
+        async with ConversationClient(target_, config, reconnect_attempts=0) as client:
+
+            async def speak() -> None:
+                async for _, data in clients.paced(frames):
+                    client.send(data)
+
+            speaker = asyncio.ensure_future(speak())
+            try:
+                async for event in client.events():
+                    events.append(event)
+                    if isinstance(event, ReplyAudio) and stopping is None:
+                        stopping = asyncio.ensure_future(server.stop())
+                        await asyncio.sleep(0.2)
+                        async with grpc.aio.insecure_channel(target_) as channel:
+                            call = conversation_pb2_grpc.ConversationStub(channel).Converse(
+                                requests(_config(), hold=True)
+                            )
+                            refusal = await expect_error(call, grpc.StatusCode.UNAVAILABLE, "reach another replica")
+            except grpc.aio.AioRpcError:
+                pass  # the call is cut once the drain is over
+            finally:
+                speaker.cancel()
+        assert stopping is not None, "a reply started"
+        await asyncio.wait_for(stopping, 30)
+        assert refusal
+        done = [event for event in events if isinstance(event, ReplyDone)]
+        assert done and done[0].text, "the reply being spoken when the gateway stopped was played to its end"
+        audio_ms = sum(len(e.pcm16) for e in events if isinstance(e, ReplyAudio)) / 32
+        assert audio_ms >= 500, audio_ms
+    finally:
+        if stopping is None:
+            await server.stop()
