@@ -15,7 +15,7 @@ import collections
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -176,8 +176,8 @@ class Session:
         self._recent: dict[int, Reply] = {}  # ended turns, for client reports that come after the end
         self.transport = transport
         self._tasks = [
-            asyncio.ensure_future(self._asr_loop()),
-            asyncio.ensure_future(self._tts_loop()),
+            asyncio.ensure_future(self._supervised("asr", self._asr_loop())),
+            asyncio.ensure_future(self._supervised("tts", self._tts_loop())),
         ]
 
     # ---- input -----------------------------------------------------------------------------------------
@@ -370,7 +370,7 @@ class Session:
             },
         )
         self._replies[reply.utterance_id] = reply
-        reply.llm_task = asyncio.ensure_future(self._generate(reply))
+        reply.llm_task = asyncio.ensure_future(self._supervised("llm", self._generate(reply)))
         return reply
 
     def _commit(self, reply: Reply, user_text: str) -> None:
@@ -704,6 +704,22 @@ class Session:
             telemetry.timed_span(
                 TRACER, "downlink", reply.first_sent_us * 1000, report.first_audio_received_us * 1000, reply.span
             )
+
+    async def _supervised(self, stage: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run one of the session's tasks. One that fails in a way nobody handled ends the session with an error
+        naming its stage (an event, a metric and a log line) instead of leaving it deaf or mute."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.exception("session task failed", extra={"session_id": self.options.session_id, "stage": stage})
+            telemetry.ERRORS.labels(stage, "INTERNAL").inc()
+            message = f"the gateway's {stage} stage failed ({type(error).__name__}); start the conversation again"
+            self._emit(
+                error=conversation_pb2.SessionError(stage=stage, code="INTERNAL", message=message, recoverable=False)
+            )
+            self.events.put_nowait(RequestError(grpc.StatusCode.INTERNAL, message))
 
     def _report(self, stage: str, error: grpc.aio.AioRpcError) -> None:
         if stage in self._down and stage != "llm":

@@ -4,11 +4,20 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
+
+import grpc
 
 from gateway.options import PipelineOptions, SessionOptions
 from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
 from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
+from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, tts_pb2
+
+
+def new_session(backends: FakeBackends, **options: Any) -> Session:
+    session_options = SessionOptions("s1", 16000, 16000, "", "", PipelineOptions(**options))
+    return Session(session_options, backends, history=[])  # type: ignore[arg-type]  # FakeBackends fakes the streams
 
 
 def drain(session: Session) -> list[tuple[str, conversation_pb2.ConverseEvent]]:
@@ -35,7 +44,7 @@ async def play(session: Session, frames: int) -> list[ReplyFrame]:
 async def committed_reply(reply: str, **options: object) -> tuple[Session, FakeBackends]:
     """A session whose user asked something and whose reply is committed and synthesized, nothing played yet."""
     backends = FakeBackends(reply=reply)
-    session = Session(SessionOptions("s1", 16000, 16000, "", "", PipelineOptions(**options)), backends, history=[])  # type: ignore[arg-type]  # FakeBackends fakes the three streams; it is no Backends
+    session = new_session(backends, **options)
     await until(lambda: backends.tts_connected)
     backends.say(speech_started=asr_pb2.SpeechStarted())
     backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it"))
@@ -46,8 +55,7 @@ async def committed_reply(reply: str, **options: object) -> tuple[Session, FakeB
 
 async def test_frames_sent_while_the_asr_stream_connects_are_not_lost() -> None:
     backends = FakeBackends(connect_s=0.1)
-    options = SessionOptions("s1", 16000, 16000, "", "", PipelineOptions())
-    session = Session(options, backends, history=[])  # type: ignore[arg-type]  # FakeBackends fakes the three streams; it is no Backends
+    session = new_session(backends)
     for index in range(10):  # 200 ms of audio before the ASR stream is up
         session.push_frame(audio_pb2.AudioFrame(data=bytes([index]) * 640, seq=index, capture_time_us=1000 + index))
     await asyncio.sleep(0.2)
@@ -134,3 +142,18 @@ def test_the_history_keeps_the_latest_turns_within_its_budget_and_drops_half_at_
     history += [HistoryEntry("user", "a" * 100), HistoryEntry("assistant", "b" * 100)]
     trim_history(history, max_chars=3000)
     assert history[: len(kept)] == kept, "within the budget nothing moves, so the prompt's prefix stays cached"
+
+
+async def test_a_session_task_that_fails_unexpectedly_ends_the_session_with_an_error_naming_its_stage() -> None:
+    backends = FakeBackends()
+    session = new_session(backends)
+    backends.asr_script.put_nowait(object())  # not a RecognizeEvent: handling it raises, as a bug would
+    items = []
+    while not any(isinstance(item, RequestError) for item in items):
+        items.append(await asyncio.wait_for(session.events.get(), 5))
+    errors = [
+        item.error for item in items if isinstance(item, conversation_pb2.ConverseEvent) and item.HasField("error")
+    ]
+    assert errors and errors[-1].stage == "asr" and errors[-1].code == "INTERNAL" and not errors[-1].recoverable
+    assert items[-1].code == grpc.StatusCode.INTERNAL and "asr stage failed" in items[-1].message
+    await session.close()
