@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -161,12 +163,37 @@ class Mesh:
             self.stop(name)
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on right now."""
-    with socket.socket() as sock:
+    """A loopback port nobody listens on right now, below the kernel's ephemeral range: a port from that range
+    (what binding port 0 gives) can be taken, before the service binds it, as the source port of any outgoing
+    connection, which made a mesh's startup fail now and then."""
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in _GIVEN:  # handed out before, maybe not bound yet
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            _GIVEN.add(port)
+            return port
+    with socket.socket() as sock:  # an unusual port range: fall back to one the kernel picks
         sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+        picked: int = sock.getsockname()[1]
+        return picked
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 @contextlib.contextmanager
