@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -176,8 +177,8 @@ class Session:
         self._recent: dict[int, Reply] = {}  # ended turns, for client reports that come after the end
         self.transport = transport
         self._tasks = [
-            asyncio.ensure_future(self._supervised("asr", self._asr_loop())),
-            asyncio.ensure_future(self._supervised("tts", self._tts_loop())),
+            asyncio.ensure_future(self._supervised("asr", self._asr_loop)),
+            asyncio.ensure_future(self._supervised("tts", self._tts_loop)),
         ]
 
     # ---- input -----------------------------------------------------------------------------------------
@@ -370,7 +371,7 @@ class Session:
             },
         )
         self._replies[reply.utterance_id] = reply
-        reply.llm_task = asyncio.ensure_future(self._supervised("llm", self._generate(reply)))
+        reply.llm_task = asyncio.ensure_future(self._supervised("llm", functools.partial(self._generate, reply)))
         return reply
 
     def _commit(self, reply: Reply, user_text: str) -> None:
@@ -705,11 +706,12 @@ class Session:
                 TRACER, "downlink", reply.first_sent_us * 1000, report.first_audio_received_us * 1000, reply.span
             )
 
-    async def _supervised(self, stage: str, work: Coroutine[Any, Any, None]) -> None:
+    async def _supervised(self, stage: str, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run one of the session's tasks. One that fails in a way nobody handled ends the session with an error
-        naming its stage (an event, a metric and a log line) instead of leaving it deaf or mute."""
+        naming its stage (an event, a metric and a log line) instead of leaving it deaf or mute. (`work` is made
+        here, so a task cancelled before it ran leaves no coroutine never awaited.)"""
         try:
-            await work
+            await work()
         except asyncio.CancelledError:
             raise
         except Exception as error:
