@@ -53,6 +53,14 @@ class Authenticator:
             raise Unauthenticated("no bearer credential")
         return self.verify_credential(credential.strip())
 
+    def accepts(self, authorization: str) -> bool:
+        """Whether an `authorization` value is a valid credential (for doors that need no principal)."""
+        try:
+            self.verify(authorization)
+        except Unauthenticated:
+            return False
+        return True
+
     def verify_credential(self, credential: str) -> Principal:
         if not self.enabled:
             return Principal("")

@@ -252,7 +252,7 @@ async def _loadtest(args: argparse.Namespace) -> int:
     return await command(args, _credentials(args))
 
 
-def _token(args: argparse.Namespace) -> int:
+async def _token(args: argparse.Namespace) -> int:
     from voicemesh.auth import issue_token
 
     keys = os.environ.get("VOICEMESH_JWT_KEYS", "")
@@ -372,8 +372,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     load.add_argument("--allow-remote", action="store_true", help="allow a target that is not a loopback address")
 
     args = parser.parse_args(argv)
-    if args.command == "token":
-        raise SystemExit(_token(args))
     handlers = {
         "up": _up,
         "transcribe": _transcribe,
@@ -383,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "report": _report,
         "health": _health,
         "loadtest": _loadtest,
+        "token": _token,
     }
     try:
         code = asyncio.run(handlers[args.command](args))

@@ -304,20 +304,9 @@ def run(service: str, settings: ServerSettings, build: Callable[[Any], Server]) 
         settings.trace_file,
         settings.metrics_port,
         settings.host,
-        metrics_authorized=_authorizer(authenticator) if authenticator.enabled else None,
+        metrics_authorized=authenticator.accepts if authenticator.enabled else None,
     )
     try:
         asyncio.run(build(settings).run_until_signal())
     finally:
         telemetry.shutdown()
-
-
-def _authorizer(authenticator: Authenticator) -> Callable[[str], bool]:
-    def authorized(authorization: str) -> bool:
-        try:
-            authenticator.verify(authorization)
-        except Unauthenticated:
-            return False
-        return True
-
-    return authorized
