@@ -10,21 +10,87 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Iterator
+import time
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from voicemesh import telemetry
 from voicemesh.clients import PLAINTEXT, Credentials
+from voicemesh.limits import MAX_TOKENS
 from voicemesh.routing import ReplicaLoad, ReplicaSet
 from voicemesh.serving import health_check
 from voicemesh.v1 import asr_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
+EventT = TypeVar("EventT")
 
 RETRY_ELSEWHERE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
+# A stream that fails with these moves to another replica, and the failed one is suspect until a health check passes.
+FAILOVER_CODES = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 HEALTH_TIMEOUT_S = 1.0
+WATCH_EVERY_S = 0.1  # how often a watched call's liveness is checked while it is quiet
 READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
+LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
+LLM_STALL_S = 1.5  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
+LLM_CALL_DEADLINE_S = 60.0  # the longest reply (512 tokens) takes ~15 s on 2 cores
+
+
+def stalled(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
+    """An error the gateway raises itself about a call (no replica, a hung one), handled like the replica's own."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+def unavailable(message: str) -> grpc.aio.AioRpcError:
+    """The error a session reports when a stage has no replica to call."""
+    return stalled(grpc.StatusCode.UNAVAILABLE, message)
+
+
+class Silence:
+    """How long a call has sent nothing, against a limit for its first message and another for the ones after."""
+
+    def __init__(self, stage: str, first_s: float, then_s: float) -> None:
+        self.stage = stage
+        self.limit_s, self.then_s = first_s, then_s
+        self.since = time.monotonic()
+
+    def heard(self) -> None:
+        self.since, self.limit_s = time.monotonic(), self.then_s
+
+    def problem(self) -> str | None:
+        quiet_s = time.monotonic() - self.since
+        return f"the {self.stage} replica sent nothing for {quiet_s:.1f} s" if quiet_s > self.limit_s else None
+
+
+async def watched(
+    call: AsyncIterable[EventT], problem: Callable[[], str | None], every_s: float = WATCH_EVERY_S
+) -> AsyncIterator[EventT]:
+    """The call's messages, checking `problem` while none comes: when it names one (a replica that stopped
+    answering), DEADLINE_EXCEEDED with it is raised. The caller cancels the call and goes elsewhere."""
+    messages = aiter(call)
+    pending: asyncio.Future[EventT] = asyncio.ensure_future(anext(messages))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                if (why := problem()) is not None:
+                    raise stalled(grpc.StatusCode.DEADLINE_EXCEEDED, why)
+                continue
+            try:
+                message = pending.result()
+            except StopAsyncIteration:
+                return
+            yield message
+            pending = asyncio.ensure_future(anext(messages))
+    finally:
+        pending.cancel()
 
 
 class Backends:
@@ -90,14 +156,20 @@ class Backends:
         return (*self.credentials.metadata(), *(extra or ()))
 
     def mark_down(self, stage: str, target: str) -> None:
+        """Suspect `target` at once (it failed, timed out or refused): picks avoid it until a health check passes."""
         load = self.sets[stage].replicas.get(target)
         if load is not None:
+            if load.healthy:
+                log.info("replica suspect", extra={"stage": stage, "target": target})
             load.healthy = False
 
     # ---- stateless stages ---------------------------------------------------------------------------------
     def pick(self, stage: str) -> str:
-        """ASR or TTS: the least-loaded healthy replica."""
-        return self.sets[stage].least_loaded_order()[0]
+        """ASR or TTS: the least-loaded healthy replica (UNAVAILABLE when the set is empty, e.g. DNS found none)."""
+        order = self.sets[stage].least_loaded_order()
+        if not order:
+            raise unavailable(f"no {stage.upper()} replica is known (its replica set is empty)")
+        return order[0]
 
     def candidates(self, stage: str) -> list[str]:
         return self.sets[stage].least_loaded_order()
@@ -121,63 +193,84 @@ class Backends:
                 load.in_flight -= 1
 
     async def ready(self, target: str, timeout_s: float = READY_TIMEOUT_S) -> None:
-        """Wait until the channel to `target` is connected (gRPC keeps retrying with backoff meanwhile).
+        """Wait until the channel to `target` is connected.
 
-        Past `timeout_s` the replica is marked down, so the next pick avoids it (a dead pod's address never comes
-        back), and UNAVAILABLE is raised for the caller to report and retry."""
+        A connection that fails (a killed replica refuses it) marks the replica down at once, and so does one not
+        made within `timeout_s` (a dead pod's address never answers): the next pick avoids it. Either way
+        UNAVAILABLE is raised for the caller to report and retry."""
+        channel = self.channel(target)
         try:
-            await asyncio.wait_for(self.channel(target).channel_ready(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                state = channel.get_state(try_to_connect=True)
+                while state != grpc.ChannelConnectivity.READY:
+                    if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                        self._mark_down_everywhere(target)
+                        raise unavailable(f"{target} refused the connection")
+                    await channel.wait_for_state_change(state)
+                    state = channel.get_state(try_to_connect=True)
         except TimeoutError:
-            for stage, replicas in self.sets.items():
-                if target in replicas.replicas:
-                    self.mark_down(stage, target)
-            raise grpc.aio.AioRpcError(
-                grpc.StatusCode.UNAVAILABLE,
-                grpc.aio.Metadata(),
-                grpc.aio.Metadata(),
-                f"{target} did not connect within {timeout_s:g} s",
-            ) from None
+            self._mark_down_everywhere(target)
+            raise unavailable(f"{target} did not connect within {timeout_s:g} s") from None
+
+    def _mark_down_everywhere(self, target: str) -> None:
+        for stage, replicas in self.sets.items():
+            if target in replicas.replicas:
+                self.mark_down(stage, target)
 
     # ---- the sticky LLM --------------------------------------------------------------------------------
     def llm_order(self, session_id: str) -> list[str]:
         return self.sets["llm"].sticky_order(session_id)
 
     async def generate(
-        self, request: llm_pb2.GenerateRequest, metadata: list[tuple[str, str]] | None = None
+        self,
+        request: llm_pb2.GenerateRequest,
+        metadata: list[tuple[str, str]] | None = None,
+        first_token_timeout_s: float = LLM_FIRST_TOKEN_TIMEOUT_S,
+        stall_s: float = LLM_STALL_S,
     ) -> AsyncGenerator[llm_pb2.GenerateResponse, None]:
-        """Stream from the session's replica; refused or unreachable before the first token: the next one.
+        """Stream the reply from the session's replica, failing over down its ranking.
 
-        `metadata` carries the turn's W3C trace context, so the replica's spans join the turn's trace.
+        A replica that refuses, fails, or sends nothing for `first_token_timeout_s` (then `stall_s` between
+        tokens) is marked suspect and the call goes to the next one. After text has streamed, the next replica
+        continues the reply from it (`reply_prefix`), so no word is repeated. `metadata` carries the turn's W3C
+        trace context, so the replica's spans join the turn's trace.
         """
         last_error: grpc.aio.AioRpcError | None = None
+        said: list[str] = []
         for target in self.llm_order(request.session_id):
-            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(request, metadata=self.metadata(metadata))
+            attempt = request
+            if said:
+                attempt = llm_pb2.GenerateRequest()
+                attempt.CopyFrom(request)
+                attempt.reply_prefix = "".join(said)
+                attempt.max_tokens = max(1, (request.max_tokens or MAX_TOKENS.default) - len(said))
+            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(
+                attempt, metadata=self.metadata(metadata), timeout=LLM_CALL_DEADLINE_S
+            )
+            silence = Silence("LLM", first_token_timeout_s, stall_s)
             try:
-                try:
-                    first = await anext(aiter(call))
-                except StopAsyncIteration:
-                    return
-                except grpc.aio.AioRpcError as error:
-                    if error.code() not in RETRY_ELSEWHERE:
-                        raise
-                    if error.code() == grpc.StatusCode.UNAVAILABLE:
-                        self.mark_down("llm", target)
-                    log.info(
-                        "llm replica refused; trying the next", extra={"target": target, "code": error.code().name}
-                    )
-                    last_error = error
-                    continue
-                yield first
-                async for response in call:
+                async for response in watched(call, silence.problem):
+                    silence.heard()
+                    if response.text_delta:
+                        said.append(response.text_delta)
                     yield response
                 return
+            except grpc.aio.AioRpcError as error:
+                if error.code() not in FAILOVER_CODES:
+                    raise
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.mark_down("llm", target)  # a full replica is healthy: only skipped for this call
+                telemetry.FAILOVERS.labels("llm").inc()
+                log.info(
+                    "llm replica failed; trying the next",
+                    extra={"target": target, "code": error.code().name, "continuing": bool(said)},
+                )
+                last_error = error
             finally:
                 call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
         if last_error is not None:
             raise last_error
-        raise grpc.aio.AioRpcError(
-            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "no LLM replica configured"
-        )
+        raise unavailable("no LLM replica is known (its replica set is empty)")
 
     async def close(self) -> None:
         if self._maintenance is not None:

@@ -83,6 +83,15 @@ class Playout(Generic[FrameT]):
         self._changed.set()
         return dropped
 
+    def retract(self, unfinished: Callable[[FrameT], bool]) -> int:
+        """Take back the frames at the end of the queue for which `unfinished` holds (a chunk of speech whose
+        synthesis broke off, to be synthesized again whole); returns how many. Frames already sent stay sent."""
+        count = 0
+        while self._frames and unfinished(self._frames[-1]):
+            self._frames.pop()
+            count += 1
+        return count
+
     def wait_s(self) -> float | None:
         """Seconds until the next frame is due (0: now); None while there is nothing to play (empty or paused)."""
         if self._paused or not self._frames:

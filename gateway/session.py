@@ -24,7 +24,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from gateway import turn
-from gateway.backends import Backends
+from gateway.backends import FAILOVER_CODES, Backends, stalled, watched
 from gateway.options import SessionOptions
 from gateway.playout import Playout
 from voicemesh import stages, telemetry
@@ -38,6 +38,13 @@ HOSTNAME = socket.gethostname()
 
 RECONNECT_BACKOFF_S = (0.2, 2.0)
 FINISH_TIMEOUT_S = 60.0
+ASR_PROGRESS_MS = 200  # the ASR acknowledges the frames it received this often (progress_interval_ms)
+ASR_STALL_MS = 1500.0  # frames unacknowledged this long: the ASR replica hung; the stream moves elsewhere
+TTS_STALL_MS = 2000.0  # a reply waiting this long for audio: the TTS replica hung (chunks take ~100-300 ms)
+TTS_RESUME_S = 5.0  # the unspoken rest of a reply waits this long for a TTS stream to come back, then fails
+RETAIN_MAX_MS = 30_000.0  # the ASR's longest turn (28 s) and its pre-roll: the most audio kept for a replay
+RETAIN_PREROLL_MS = 300.0  # audio kept before a turn's speech start (the ASR's own pre-roll is 200 ms)
+RETAIN_IDLE_MS = 1000.0  # audio kept between turns
 ROLE = {"user": llm_pb2.ROLE_USER, "assistant": llm_pb2.ROLE_ASSISTANT}
 RequestT = TypeVar("RequestT")
 
@@ -105,6 +112,10 @@ class Reply:
     llm_done: bool = False
     tts_started: bool = False
     tts_done: bool = False
+    tts_given: str = ""  # the text handed to the TTS so far (sent, or waiting for a TTS stream)
+    flush_given: bool = False  # all of it was handed over
+    flush_ms: float = 0.0
+    synthesized: list[str] = field(default_factory=list)  # chunks whose audio came in whole
     spoken_chunks: list[str] = field(default_factory=list)
     frames_released: int = 0  # handed to the playout
     frames_sent: int = 0  # played out by the transport
@@ -159,12 +170,22 @@ class Session:
         self._audio_ms = 0.0
         self._receipt_us: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._asr_queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] | None = None
-        self._asr_seq = 0
-        self._asr_base_ms = 0.0
-        # Frames that arrive before the first ASR stream is up wait here (a turn's first words are not lost).
-        # After an outage, frames are dropped instead: replaying them would answer what was said long ago.
-        self._asr_backlog: collections.deque[audio_pb2.AudioFrame] | None = collections.deque(maxlen=500)
+        self._asr_seq = 0  # frames sent on the current ASR stream
+        self._asr_acked = 0  # frames it acknowledged (RecognizeEvent.frames_received)
+        self._asr_acks = False  # it acknowledges frames (an ASR without progress events is never thought hung)
+        self._asr_waiting_since: float | None = None  # when frames began to go unacknowledged
+        self._asr_base_ms = 0.0  # session audio time of the current ASR stream's start
+        self._asr_streams = 0
+        self._asr_in_speech = False
+        # The audio an ASR stream may still need, (end in session audio ms, frame): from the pre-roll of the turn in
+        # progress (or the last pre-roll between turns) on. A stream that dies or hangs is replaced by one on
+        # another replica, which hears this first, so the utterance in progress is not lost. It also holds the
+        # first words of the session while the first stream connects.
+        self._retained: collections.deque[tuple[float, audio_pb2.AudioFrame]] = collections.deque()
+        self._retain_from_ms = 0.0
         self._tts_queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] | None = None
+        self._tts_down_since: float | None = None  # the TTS stream broke off then and is not back yet
+        self._tts_heard_ms = 0.0  # the last event of the TTS stream (or its start)
         self._replies: dict[int, Reply] = {}
         self._current: Reply | None = None
         self._discarded = 0
@@ -188,20 +209,66 @@ class Session:
         self._receipt_us[capture_us] = now_us
         while len(self._receipt_us) > 500:  # 10 s of frames: far more than an endpoint looks back
             self._receipt_us.popitem(last=False)
-        self._audio_ms += len(frame.data) / 2 * 1000 / self.options.input_rate_hz
+        self._audio_ms += self._frame_ms(frame)
         forwarded = audio_pb2.AudioFrame()
         forwarded.CopyFrom(frame)
         forwarded.capture_time_us = capture_us
+        self._retained.append((self._audio_ms, forwarded))
+        self._trim_retained()
         if self._asr_queue is not None:
             self._forward(forwarded)
-        elif self._asr_backlog is not None:
-            self._asr_backlog.append(forwarded)  # the session's first ASR stream is still connecting
+
+    def _frame_ms(self, frame: audio_pb2.AudioFrame) -> float:
+        return len(frame.data) / 2 * 1000 / self.options.input_rate_hz
 
     def _forward(self, frame: audio_pb2.AudioFrame) -> None:
         assert self._asr_queue is not None
         frame.seq = self._asr_seq
         self._asr_seq += 1
+        if self._asr_waiting_since is None:
+            self._asr_waiting_since = _now_ms()
         self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(frame=frame))
+
+    def _trim_retained(self) -> None:
+        oldest_ms = max(self._retain_from_ms, self._audio_ms - RETAIN_MAX_MS)
+        while self._retained and self._retained[0][0] <= oldest_ms:
+            self._retained.popleft()
+
+    def _retain_from(self, stream_ms: float) -> None:
+        """The current ASR stream will not need its audio before `stream_ms` again."""
+        self._retain_from_ms = max(self._retain_from_ms, self._asr_base_ms + stream_ms)
+        self._trim_retained()
+
+    def _replay(self) -> None:
+        """A new ASR stream hears the retained audio first: after a failure, the utterance in progress again."""
+        first = self._retained[0] if self._retained else None
+        self._asr_base_ms = first[0] - self._frame_ms(first[1]) if first is not None else self._audio_ms
+        self._asr_in_speech = False
+        if self._asr_streams:
+            telemetry.FAILOVERS.labels("asr").inc()
+            telemetry.REPLAYED_FRAMES.inc(len(self._retained))
+            log.info(
+                "replaying the utterance to a new ASR stream",
+                extra={"session_id": self.options.session_id, "frames": len(self._retained)},
+            )
+            self._apply(self.turns.on_asr_restarted())
+        self._asr_streams += 1
+        for _, frame in self._retained:
+            self._forward(frame)
+
+    def _asr_stalled(self) -> str | None:
+        if self._asr_acks and self._asr_waiting_since is not None:
+            if _now_ms() - self._asr_waiting_since > ASR_STALL_MS:
+                return f"the ASR replica acknowledged no audio for {ASR_STALL_MS / 1000:g} s"
+        return None
+
+    def _on_ack(self, frames_received: int) -> None:
+        if not frames_received:
+            return
+        self._asr_acks = True
+        if frames_received > self._asr_acked:
+            self._asr_acked = frames_received
+            self._asr_waiting_since = None if frames_received >= self._asr_seq else _now_ms()
 
     async def finish(self) -> None:
         """The user's side ended: flush the ASR, let the last reply play out, then end the event stream."""
@@ -234,43 +301,53 @@ class Session:
 
     # ---- ASR ---------------------------------------------------------------------------------------------
     async def _asr_loop(self) -> None:
+        """The session's ASR stream, replaced when its replica fails, hangs or drains: the replacement (on another
+        replica when there is one) hears the retained audio first, so the utterance in progress is not lost."""
         backoff = RECONNECT_BACKOFF_S[0]
+        config = asr_pb2.RecognitionConfig(
+            session_id=self.options.session_id,
+            sample_rate_hz=self.options.input_rate_hz,
+            interim_results=True,
+            endpointing=self.pipeline.endpointing,
+            decode_window=self.pipeline.asr_decode_window,
+            final_after_end_of_turn=not self.pipeline.asr_final_at_silence,
+            skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
+            progress_interval_ms=ASR_PROGRESS_MS,
+        )
         while True:
             queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] = asyncio.Queue()
-            config = asr_pb2.RecognitionConfig(
-                session_id=self.options.session_id,
-                sample_rate_hz=self.options.input_rate_hz,
-                interim_results=True,
-                endpointing=self.pipeline.endpointing,
-                decode_window=self.pipeline.asr_decode_window,
-                final_after_end_of_turn=not self.pipeline.asr_final_at_silence,
-                skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
-            )
-            target = self.backends.pick("asr")
+            target = ""
             try:
+                target = self.backends.pick("asr")
                 await self.backends.ready(target)
                 call = self.backends.recognizer(target).StreamingRecognize(
                     _drain(queue, asr_pb2.RecognizeRequest(config=config)), metadata=self.backends.metadata()
                 )
-                self._asr_queue, self._asr_seq, self._asr_base_ms = queue, 0, self._audio_ms
-                backlog, self._asr_backlog = self._asr_backlog or (), None
-                for frame in backlog:
-                    self._asr_base_ms -= len(frame.data) / 2 * 1000 / self.options.input_rate_hz
-                    self._forward(frame)
+                self._asr_queue, self._asr_seq, self._asr_acked = queue, 0, 0
+                self._asr_acks, self._asr_waiting_since = False, None
+                self._replay()
+                if self._closing:
+                    queue.put_nowait(None)  # the user's side ended while the stream was being replaced
                 self._recovered("asr")
                 with self.backends.streaming("asr", target):
-                    async for event in call:
+                    async for event in watched(call, self._asr_stalled):
                         backoff = RECONNECT_BACKOFF_S[0]
                         self._on_asr(event)
-                return  # the input ended and the ASR flushed
+                if self._closing:
+                    return  # the input ended and the ASR flushed
+                raise stalled(grpc.StatusCode.UNAVAILABLE, "the ASR replica ended the stream")
             except grpc.aio.AioRpcError as error:
                 self._asr_queue = None
                 if self._fatal_if_bad_request("asr", error) or self._closing:
                     return
-                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(self.backends.candidates("asr")) > 1:
-                    self.backends.mark_down("asr", target)  # full: the next pick goes elsewhere
-                    continue
+                elsewhere = target and len(self.backends.candidates("asr")) > 1
+                if elsewhere and error.code() in FAILOVER_CODES:
+                    self.backends.mark_down("asr", target)  # the next pick goes elsewhere
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and elsewhere:
+                    continue  # full, not broken: nothing to report
                 self._report("asr", error)
+                if elsewhere:
+                    continue  # another replica takes over at once
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
 
@@ -278,9 +355,16 @@ class Session:
         """Hand the ASR's event to the turn controller, on the session's clock."""
         now_ms = _now_ms()
         kind = event.WhichOneof("event")
+        self._on_ack(event.frames_received)
+        if kind == "progress":
+            if not self._asr_in_speech:  # between turns only the last second is needed again (the pre-roll of a
+                self._retain_from(event.audio_received_ms - RETAIN_IDLE_MS)  # start the VAD has not confirmed)
+            return
         self._last_event = event
         controller = self.turns
         if kind == "speech_started":
+            self._asr_in_speech = True
+            self._retain_from(event.speech_start_ms - RETAIN_PREROLL_MS)
             commands = controller.on_speech_started(now_ms - self._audio_behind_ms(event.speech_start_ms))
         elif kind == "speech_stopped":
             commands = controller.on_speech_stopped(now_ms - self._audio_behind_ms(event.speech_end_ms))
@@ -296,6 +380,8 @@ class Session:
         elif kind == "speech_resumed":
             commands = controller.on_speech_resumed(now_ms)
         elif kind == "final":
+            self._asr_in_speech = False
+            self._retain_from(event.speech_end_ms + 50)  # the committed utterance is never replayed
             commands = controller.on_final(now_ms, event.final.text.strip())
         else:
             return
@@ -448,7 +534,7 @@ class Session:
             full = "".join(reply.text).strip()
             if whole and full:
                 self._tts_text(reply, full)
-            self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
+            self._tts_flush(reply)
             reply.llm_done = True
         except asyncio.CancelledError:
             await stream.aclose()  # cancels the call: frees the LLM slot at once
@@ -462,16 +548,55 @@ class Session:
             self._fail(reply)
 
     def _tts_text(self, reply: Reply, text: str) -> None:
+        reply.tts_given += text
         delta = tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=text)
-        if not reply.tts_started:
+        if not reply.tts_started and self._tts_queue is not None:
             reply.tts_started = True
             delta.traceparent = telemetry.traceparent_of(reply.span)
         self._tts_send(tts_pb2.SynthesizeRequest(text=delta))
 
+    def _tts_flush(self, reply: Reply) -> None:
+        reply.flush_given, reply.flush_ms = True, _now_ms()
+        self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
+
     def _tts_send(self, request: tts_pb2.SynthesizeRequest) -> None:
-        if self._tts_queue is None:
-            raise TtsDown  # the TTS loop has reported the outage and is reconnecting
-        self._tts_queue.put_nowait(request)
+        """Send to the session's TTS stream. While it is being replaced the request waits (the next stream gets
+        the reply's unspoken rest), but not past TTS_RESUME_S: then the reply cannot be spoken now."""
+        if self._tts_queue is not None:
+            self._tts_queue.put_nowait(request)
+        elif self._tts_down_since is not None and _now_ms() - self._tts_down_since > TTS_RESUME_S * 1000:
+            raise TtsDown
+
+    def _tts_resume(self, reply: Reply) -> None:
+        """On a new TTS stream: the text of `reply` the last one did not synthesize whole, and its flush."""
+        rest = unsynthesized(reply.tts_given, reply.synthesized)
+        if rest.strip():
+            delta = tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=rest)
+            if not reply.tts_started:
+                reply.tts_started = True
+                delta.traceparent = telemetry.traceparent_of(reply.span)
+            self._tts_send(tts_pb2.SynthesizeRequest(text=delta))
+        if reply.flush_given:
+            self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
+
+    def _tts_lost(self, reply: Reply) -> None:
+        """The TTS stream broke off: the audio of the chunk it was in the middle of is taken back (it will be
+        synthesized again whole); its frames still held, and those queued for playout but not sent."""
+        while reply.frames and not reply.frames[-1].chunk_end:
+            reply.frames.pop()
+        if reply is self._current:
+            turn_index = reply.turn_index
+            taken = self.playout.retract(lambda frame: frame.turn_index == turn_index and not frame.speech.chunk_end)
+            reply.frames_released -= taken
+
+    def _tts_stalled(self) -> str | None:
+        """A reply handed over whole whose audio has not come for TTS_STALL_MS: the replica hung."""
+        now = _now_ms()
+        for reply in self._replies.values():
+            if reply.flush_given and not reply.tts_done and not reply.cancelled:
+                if now - max(reply.flush_ms, self._tts_heard_ms) > TTS_STALL_MS:
+                    return f"the TTS replica sent no audio for {TTS_STALL_MS / 1000:g} s"
+        return None
 
     def _discard(self, reply: Reply) -> None:
         """A speculative reply was overtaken: never spoken, never in history."""
@@ -537,6 +662,8 @@ class Session:
 
     # ---- TTS -----------------------------------------------------------------------------------------------
     async def _tts_loop(self) -> None:
+        """The session's TTS stream, replaced when its replica fails, hangs or drains: the replacement (on another
+        replica when there is one) synthesizes what the broken stream had not, so replies go on."""
         backoff = RECONNECT_BACKOFF_S[0]
         config = tts_pb2.SynthesisConfig(
             session_id=self.options.session_id,
@@ -548,33 +675,53 @@ class Session:
         )
         while True:
             queue: asyncio.Queue[tts_pb2.SynthesizeRequest | None] = asyncio.Queue()
-            target = self.backends.pick("tts")
+            target = ""
             try:
+                target = self.backends.pick("tts")
                 await self.backends.ready(target)
                 call = self.backends.synthesizer(target).StreamingSynthesize(
                     _drain(queue, tts_pb2.SynthesizeRequest(config=config)), metadata=self.backends.metadata()
                 )
-                self._tts_queue = queue
+                self._tts_queue, self._tts_heard_ms = queue, _now_ms()
+                if self._tts_down_since is not None:
+                    self._tts_down_since = None
+                    for reply in list(self._replies.values()):
+                        if not reply.tts_done:
+                            telemetry.FAILOVERS.labels("tts").inc()
+                            self._tts_resume(reply)
                 self._recovered("tts")
                 with self.backends.streaming("tts", target):
-                    async for event in call:
+                    async for event in watched(call, self._tts_stalled):
                         backoff = RECONNECT_BACKOFF_S[0]
                         self._on_tts(event)
-                return
+                if self._closing:
+                    return
+                raise stalled(grpc.StatusCode.UNAVAILABLE, "the TTS replica ended the stream")
             except grpc.aio.AioRpcError as error:
                 self._tts_queue = None
-                if self._fatal_if_bad_request("tts", error):
+                if self._fatal_if_bad_request("tts", error) or self._closing:
                     return
-                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and len(self.backends.candidates("tts")) > 1:
+                now = _now_ms()
+                if self._tts_down_since is None:
+                    self._tts_down_since = now
+                    for reply in self._replies.values():
+                        self._tts_lost(reply)
+                elif now - self._tts_down_since > TTS_RESUME_S * 1000:
+                    for reply in list(self._replies.values()):  # no voice for this long: they cannot be spoken now
+                        self._fail(reply)
+                elsewhere = target and len(self.backends.candidates("tts")) > 1
+                if elsewhere and error.code() in FAILOVER_CODES:
                     self.backends.mark_down("tts", target)
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and elsewhere:
                     continue
                 self._report("tts", error)
-                for reply in list(self._replies.values()):  # their audio is lost with the stream
-                    self._fail(reply)
+                if elsewhere:
+                    continue
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, RECONNECT_BACKOFF_S[1])
 
     def _on_tts(self, event: tts_pb2.SynthesizeEvent) -> None:
+        self._tts_heard_ms = _now_ms()
         kind = event.WhichOneof("event")
         if kind == "audio":
             reply = self._replies.get(event.audio.utterance_id)
@@ -586,6 +733,8 @@ class Session:
                 reply.metrics.tts_queue_ms = event.audio.timing.queue_ms
                 reply.metrics.tts_first_audio_ms = event.audio.timing.compute_ms
             reply.frames.append(event.audio)
+            if event.audio.chunk_end:
+                reply.synthesized.append(event.audio.text)
             self._release(reply)
         elif kind == "done":
             reply = self._replies.get(event.done.utterance_id)
@@ -753,6 +902,20 @@ class Session:
         )
         self.events.put_nowait(RequestError(error.code(), f"{stage} service refused the session: {error.details()}"))
         return True
+
+
+def unsynthesized(text: str, chunks: list[str]) -> str:
+    """What of `text` comes after `chunks`, the pieces of it synthesized so far (cut from it in order, with the
+    whitespace between them trimmed)."""
+    done = "".join("".join(chunk.split()) for chunk in chunks)
+    index = 0
+    for char in done:
+        while index < len(text) and text[index].isspace():
+            index += 1
+        if index == len(text) or text[index] != char:
+            break
+        index += 1
+    return text[index:]
 
 
 async def _drain(queue: asyncio.Queue[RequestT | None], first: RequestT) -> AsyncIterator[RequestT]:

@@ -200,6 +200,11 @@ class TurnController:
         commands.append(CommitReply(reply_id, text))
         return commands
 
+    def on_asr_restarted(self) -> list[Command]:
+        """The ASR stream was replaced (its replica failed) and the new one hears the utterance in progress again:
+        a speculative reply to the old stream's candidate is dropped; the new stream's candidate starts another."""
+        return self._drop_speculative()
+
     # ---- reply progress ------------------------------------------------------------------------------------
     def on_reply_done(self, reply_id: int) -> list[Command]:
         """The committed reply's last frame went out."""

@@ -47,6 +47,7 @@ class ReplyAudio:
     text: str
     sent_us: int
     received_us: int
+    seq: int = 0  # the frame's place in its turn's reply, from 0: a gap is a lost frame
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ class ConversationClient:
                     self._queue.put_nowait(conversation_pb2.ConverseRequest(report=report))
             frame = message.reply_audio.frame
             return ReplyAudio(
-                turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now
+                turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now, frame.seq
             )
         if kind == "interrupted":
             return Interrupted(turn, message.interrupted.spoken_text)

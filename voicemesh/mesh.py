@@ -145,9 +145,18 @@ class Mesh:
         process.popen.kill()
         process.popen.wait()
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP, as a hung process (or a VM paused under it) would be: connections stay open, nothing answers."""
+        self.processes[name].popen.send_signal(signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        """SIGCONT: a frozen service goes on."""
+        self.processes[name].popen.send_signal(signal.SIGCONT)
+
     def stop(self, name: str, timeout_s: float = 15.0) -> None:
         process = self.processes[name]
         if process.popen.poll() is None:
+            process.popen.send_signal(signal.SIGCONT)  # a frozen process handles no SIGTERM until it goes on
             process.popen.send_signal(signal.SIGTERM)
             try:
                 process.popen.wait(timeout_s)

@@ -88,6 +88,13 @@ TAKEOVERS_REFUSED = Counter(
 UNAUTHENTICATED = Counter(
     "voicemesh_unauthenticated_total", "Requests refused for a missing or invalid credential", ["door"]
 )
+FAILOVERS = Counter(
+    "voicemesh_failovers_total",
+    "Work moved off a failed, hung or draining replica, by stage (asr: the utterance replayed; llm: the reply "
+    "continued; tts: the unspoken rest synthesized again)",
+    ["stage"],
+)
+REPLAYED_FRAMES = Counter("voicemesh_asr_replayed_frames_total", "Audio frames replayed to a new ASR stream")
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
 
 

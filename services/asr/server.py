@@ -65,6 +65,8 @@ def validate_config(message: asr_pb2.RecognitionConfig, capabilities: Transcribe
         raise invalid(str(error)) from error
     if message.partial_interval_ms and not 100 <= message.partial_interval_ms <= 2000:
         raise invalid(f"partial_interval_ms={message.partial_interval_ms} out of range; send 100-2000 (or 0)")
+    if message.progress_interval_ms and not 100 <= message.progress_interval_ms <= 2000:
+        raise invalid(f"progress_interval_ms={message.progress_interval_ms} out of range; send 100-2000 (or 0)")
     return policy_from(message.endpointing)
 
 

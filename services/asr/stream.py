@@ -51,6 +51,7 @@ class RecognitionStream:
         self._final_options = DecodeOptions(language, trimmed, word_timings)
         self._partial_options = DecodeOptions(language, capabilities.trimmed_decode, word_timings=False)
         self.partial_interval_ms = config.partial_interval_ms or 200
+        self.progress_interval_ms = config.progress_interval_ms  # 0: no Progress events
         self._vad = vad
         self._endpointer = Endpointer(policy, WINDOW_MS)
         self._transcriber = transcriber
@@ -62,6 +63,8 @@ class RecognitionStream:
         self._audio = np.zeros(0, dtype=np.float32)  # recent audio, 16 kHz
         self._audio_start = 0  # absolute sample index of self._audio[0]
         self._received_ms = 0.0
+        self._frames = 0
+        self._progress_ms = 0.0  # audio received at the last Progress event
         self._frame_ends_ms: list[float] = []  # audio end of each recent frame, for capture-time lookup
         self._frame_capture_us: list[int] = []
         self.turn_index = 0
@@ -80,6 +83,7 @@ class RecognitionStream:
     def push_frame(self, frame: audio_pb2.AudioFrame) -> None:
         samples = self._resampler.process(pcm16_to_float(frame.data))
         self._received_ms += len(frame.data) / 2 * 1000 / self.config.sample_rate_hz
+        self._frames += 1
         self._frame_ends_ms.append(self._received_ms)
         self._frame_capture_us.append(frame.capture_time_us)
         if len(self._frame_ends_ms) > 2000:  # 40 s of 20 ms frames is far more than any endpoint looks back
@@ -94,6 +98,9 @@ class RecognitionStream:
             self._cut_long_turn()
         self._maybe_partial()
         self._trim_audio()
+        if self.progress_interval_ms and self._received_ms - self._progress_ms >= self.progress_interval_ms:
+            self._progress_ms = self._received_ms
+            self._send(asr_pb2.RecognizeEvent(progress=asr_pb2.Progress()))
 
     def _cut_long_turn(self) -> None:
         ep = self._endpointer
@@ -295,6 +302,7 @@ class RecognitionStream:
         message = stamp or self._stamp()
         message.MergeFrom(event)
         message.audio_received_ms = int(self._received_ms)
+        message.frames_received = self._frames
         if timing_from is not None:
             message.timing.queue_ms = timing_from.queue_ms
             message.timing.compute_ms = timing_from.compute_ms

@@ -179,7 +179,7 @@ class LlamaCppEngine:
     ) -> None:
         llama = slot.llama
         started = time.monotonic_ns()
-        text = self.prompt.render(request.messages)
+        text = self.prompt.render(request.messages, request.reply_prefix)
         tokens = llama.tokenize(text.encode(), add_bos=True)
         room = self.n_ctx - request.max_tokens - 8
         if len(tokens) > room:
@@ -216,8 +216,8 @@ class LlamaCppEngine:
                 choice = part["choices"][0]
                 delta = choice["text"]
                 completion += 1
-                if first and delta:
-                    delta = delta.lstrip()
+                if first and delta and not request.reply_prefix:
+                    delta = delta.lstrip()  # the space after "Assistant:" (a continuation keeps its own)
                 if delta or choice.get("finish_reason"):
                     chunk = GenerationChunk(text=delta)
                     if first and delta:

@@ -38,10 +38,12 @@ class CompletionPrompt:
     stop: tuple[str, ...] = field(default=("\n", "User:", "Assistant:"))
     interrupted_note: str = INTERRUPTED_NOTE  # `{heard}`: what was heard of an interrupted reply
 
-    def render(self, messages: list[Message]) -> str:
-        """The text to complete. Each message renders to the same line whatever follows it, so a session's prompts
-        grow by appending and the prefix cache keeps hitting; after an interrupted reply the cache stops a few
-        tokens early, at the turn's `Assistant:` cue, which the narrator's line takes the place of."""
+    def render(self, messages: list[Message], reply_prefix: str = "") -> str:
+        """The text to complete; with `reply_prefix` (a reply a failed replica began), the text continues that.
+
+        Each message renders to the same line whatever follows it, so a session's prompts grow by appending and the
+        prefix cache keeps hitting; after an interrupted reply the cache stops a few tokens early, at the turn's
+        `Assistant:` cue, which the narrator's line takes the place of."""
         system = [m.content for m in messages if m.role == "system"]
         lines = [(system[0] if system else DEFAULT_PERSONA).strip(), ""]
         for role, content in FEW_SHOT:
@@ -49,7 +51,8 @@ class CompletionPrompt:
         for message in messages:
             if message.role != "system":
                 lines.append(self._line(message))
-        lines.append(f"{self.assistant_label}:")
+        prefix = reply_prefix.rstrip()
+        lines.append(f"{self.assistant_label}: {prefix}" if prefix else f"{self.assistant_label}:")
         return "\n".join(lines)
 
     def _line(self, message: Message) -> str:

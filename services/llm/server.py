@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
 MAX_PROMPT_CHARS = 16_000
+MAX_REPLY_PREFIX_CHARS = 4_000
 ROLES = {llm_pb2.ROLE_SYSTEM: "system", llm_pb2.ROLE_USER: "user", llm_pb2.ROLE_ASSISTANT: "assistant"}
 FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
 
@@ -84,6 +85,11 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         raise invalid("stop: send at most 8 strings of 1-64 characters each")
     if not 0 <= message.temperature <= 2:
         raise out_of_range(f"temperature={message.temperature:g} out of range; send 0-2")
+    if len(message.reply_prefix) > MAX_REPLY_PREFIX_CHARS or "\n" in message.reply_prefix:
+        raise invalid(
+            f"reply_prefix holds {len(message.reply_prefix)} characters; send the reply so far: one line of at most "
+            f"{MAX_REPLY_PREFIX_CHARS}"
+        )
     if not 0 <= message.top_p <= 1:
         raise out_of_range(f"top_p={message.top_p:g} out of range; send 0 < top_p <= 1 (or 0 for 0.95)")
     return GenerationRequest(
@@ -94,6 +100,7 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         temperature=message.temperature,
         top_p=message.top_p or 0.95,
         seed=message.seed,
+        reply_prefix=message.reply_prefix,
     )
 
 

@@ -103,7 +103,7 @@ class VllmEngine:
 
         enqueued = time.monotonic()
         llm = self._llm
-        text = self.prompt.render(request.messages)
+        text = self.prompt.render(request.messages, request.reply_prefix)
         try:
             (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, text)])
         except VLLMValidationError as exc:  # longer than the whole context
@@ -126,8 +126,8 @@ class VllmEngine:
                 if output.num_cached_tokens is not None:
                     cached = output.num_cached_tokens
                 delta = output.outputs[0].text
-                if first:
-                    delta = delta.lstrip()  # the reply follows "Assistant:" with a space
+                if first and not request.reply_prefix:
+                    delta = delta.lstrip()  # the reply follows "Assistant:" with a space (a continuation keeps its own)
                 finished = output.finished
                 if finished:
                     finish = output.outputs[0].finish_reason

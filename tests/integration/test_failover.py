@@ -1,0 +1,195 @@
+"""A conversation survives the death of any one replica: two real replicas per stage, one of them SIGKILLed or
+SIGSTOPped mid-turn, and the turn still completes, whole, with no frame lost.
+
+- ASR: the gateway replays the utterance in progress to the other replica; the user's words all reach the turn.
+- LLM: the other replica continues the reply from the words already streamed; none is repeated or lost.
+- TTS: the other replica synthesizes the unspoken rest; the reply's audio frames are numbered without a gap and
+  what was spoken is exactly what the LLM said.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+
+from gateway.server import GatewayServer
+from gateway.session import Session
+from tests.conftest import TRANSCRIPTS, load_clip, max_wer
+from tests.integration.helpers import start_gateway
+from voicemesh import telemetry
+from voicemesh.conversation import ReplyAudio, ReplyDone, ReplyText, SessionError, TalkTurn, talk
+from voicemesh.evaluation import normalize, word_error_rate
+from voicemesh.mesh import Mesh, free_port
+from voicemesh.v1 import conversation_pb2
+
+pytestmark = pytest.mark.integration
+
+STAGES = ("asr", "llm", "tts")
+TALKATIVE = conversation_pb2.SessionConfig(
+    system_prompt="A talkative assistant who always answers with three long sentences.",
+    options=conversation_pb2.PipelineOptions(max_tokens=120),
+)
+
+
+@pytest.fixture(scope="module")
+def replicas() -> Iterator[Mesh]:
+    """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b: real services on loopback."""
+    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-failover-"))
+    for stage in STAGES:
+        for name in "ab":
+            mesh.start(f"{stage}-{name}", free_port())
+    try:
+        asyncio.run(mesh.wait(timeout_s=300))
+        yield mesh
+    finally:
+        mesh.stop_all()
+
+
+@dataclass
+class Outcome:
+    turns: list[TalkTurn]
+    events: list[object]
+    session: Session
+    victim: str
+    failovers: float
+    said_before_fault: str = ""
+
+    def turn_events(self, kind: type) -> list[Any]:
+        turn = self.turns[0].turn_index
+        return [e for e in self.events if isinstance(e, kind) and getattr(e, "turn_index", None) == turn]
+
+
+def failovers(stage: str) -> float:
+    return telemetry.FAILOVERS.labels(stage)._value.get()
+
+
+async def converse_through_a_fault(
+    mesh: Mesh,
+    stage: str,
+    fault: Callable[[str], None],
+    moment: Callable[[Session], bool],
+    clip_name: str,
+    config: conversation_pb2.SessionConfig | None = None,
+) -> Outcome:
+    """Talk to a gateway over both replicas of every stage; at `moment`, apply `fault` to the replica of `stage`
+    the session is using. The victim is started again afterwards."""
+    targets = {stage: ",".join(mesh.processes[f"{stage}-{name}"].target for name in "ab") for stage in STAGES}
+    server = await start_gateway(targets["asr"], targets["llm"], targets["tts"])
+    before = failovers(stage)
+    talking = asyncio.ensure_future(talk(f"127.0.0.1:{server.port}", load_clip(clip_name), config, 8.0))
+    victim = ""
+    try:
+        session, victim, said = await strike(server, stage, fault, moment, mesh)
+        turns, _, events = await talking
+        return Outcome(turns, events, session, victim, failovers(stage) - before, said)
+    finally:
+        talking.cancel()
+        await server.stop()
+        if victim:
+            mesh.restart(victim)
+            await mesh.wait(names=[victim])
+
+
+async def strike(
+    server: GatewayServer, stage: str, fault: Callable[[str], None], moment: Callable[[Session], bool], mesh: Mesh
+) -> tuple[Session, str, str]:
+    registry = server.registry
+    assert registry is not None
+    session = await until(lambda: next(iter(registry.active.values()), None))
+    await until(lambda: moment(session) or None, timeout_s=30.0)
+    backends = registry.backends
+    assert backends is not None
+    if stage == "llm":
+        target = backends.llm_order(session.options.session_id)[0]
+    else:
+        target = next(t for t, load in backends.sets[stage].replicas.items() if load.in_flight)
+    said = "".join(next((r.text for r in session._replies.values() if r.text), []))
+    victim = next(name for name, process in mesh.processes.items() if process.target == target)
+    fault(victim)
+    return session, victim, said
+
+
+T = TypeVar("T")
+
+
+async def until(probe: Callable[[], T | None], timeout_s: float = 15.0) -> T:
+    """Poll `probe` every 2 ms until it gives something."""
+    async with asyncio.timeout(timeout_s):
+        while (found := probe()) is None:
+            await asyncio.sleep(0.002)
+        return found
+
+
+def mid_utterance(session: Session) -> bool:
+    """The user has been speaking for a while (the ASR reported the start) and has not finished."""
+    return session._asr_in_speech and session._asr_acked > 60
+
+
+def generating(session: Session) -> bool:
+    """A reply has streamed its first words and the LLM is still going."""
+    return any(reply.text and not reply.llm_done for reply in session._replies.values())
+
+
+def speaking(session: Session) -> bool:
+    """The committed reply's audio is coming and its synthesis is not finished."""
+    reply = session._current
+    return reply is not None and reply.frames_released > 0 and not reply.tts_done
+
+
+def check_the_turn_completed_whole(outcome: Outcome, clip_name: str) -> None:
+    assert len(outcome.turns) == 1, [t.user_text for t in outcome.turns]
+    turn = outcome.turns[0]
+    assert word_error_rate(TRANSCRIPTS[clip_name], turn.user_text) <= max_wer(clip_name), turn.user_text
+    (done,) = outcome.turn_events(ReplyDone)
+    reply_text = "".join(e.text_delta for e in outcome.turn_events(ReplyText))
+    assert normalize(done.text) == normalize(reply_text), "what was spoken is what the LLM said, nothing lost or twice"
+    seqs = [e.seq for e in outcome.turn_events(ReplyAudio)]
+    assert seqs == list(range(len(seqs))) and len(seqs) > 25, "reply frames numbered without a gap or a repeat"
+    errors = [e for e in outcome.events if isinstance(e, SessionError)]
+    assert all(e.recoverable for e in errors), errors
+
+
+def sigkill(mesh: Mesh) -> Callable[[str], None]:
+    return mesh.kill
+
+
+def sigstop(mesh: Mesh) -> Callable[[str], None]:
+    return mesh.freeze
+
+
+FAULTS: dict[str, Callable[[Mesh], Callable[[str], None]]] = {"sigkill": sigkill, "sigstop": sigstop}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_an_asr_replica_lost_mid_utterance_loses_no_word(replicas: Mesh, fault: str) -> None:
+    outcome = await converse_through_a_fault(replicas, "asr", FAULTS[fault](replicas), mid_utterance, "wizard")
+    check_the_turn_completed_whole(outcome, "wizard")
+    assert outcome.failovers >= 1, "the utterance was replayed to the other replica"
+    session = outcome.session
+    assert session._asr_seq and session._asr_acked == session._asr_seq, "every frame sent was acknowledged"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_an_llm_replica_lost_mid_reply_is_continued_without_repeating(replicas: Mesh, fault: str) -> None:
+    outcome = await converse_through_a_fault(
+        replicas, "llm", FAULTS[fault](replicas), generating, "spk2_snt1", TALKATIVE
+    )
+    check_the_turn_completed_whole(outcome, "spk2_snt1")
+    assert outcome.failovers >= 1
+    reply_text = outcome.turns[0].reply_text
+    said = outcome.said_before_fault
+    assert said and reply_text.startswith(said), (said, reply_text)
+    rest = normalize(reply_text[len(said) :])
+    assert rest and normalize(said) != rest[: len(normalize(said))], "the continuation does not start over"
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_a_tts_replica_lost_mid_reply_speaks_the_rest_elsewhere(replicas: Mesh, fault: str) -> None:
+    outcome = await converse_through_a_fault(replicas, "tts", FAULTS[fault](replicas), speaking, "spk2_snt1", TALKATIVE)
+    check_the_turn_completed_whole(outcome, "spk2_snt1")
+    assert outcome.failovers >= 1
