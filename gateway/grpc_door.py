@@ -55,7 +55,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
 
         async def play(frame: ReplyFrame, sent_us: int) -> None:
             # Into the event stream, so a reply's last frame comes before its reply_done.
-            session.events.put_nowait(frame.event(sent_us))
+            session.deliver(frame.event(sent_us))
 
         player = session.playout.start(play)
         try:

@@ -45,6 +45,8 @@ TTS_RESUME_S = 5.0  # the unspoken rest of a reply waits this long for a TTS str
 RETAIN_MAX_MS = 30_000.0  # the ASR's longest turn (28 s) and its pre-roll: the most audio kept for a replay
 RETAIN_PREROLL_MS = 300.0  # audio kept before a turn's speech start (the ASR's own pre-roll is 200 ms)
 RETAIN_IDLE_MS = 1000.0  # audio kept between turns
+MAX_PENDING_EVENTS = 2000  # events the client has not read yet (~40 s of reply audio on the gRPC door); more: it is
+# not reading, and the session ends instead of holding its events in memory
 ROLE = {"user": llm_pb2.ROLE_USER, "assistant": llm_pb2.ROLE_ASSISTANT}
 RequestT = TypeVar("RequestT")
 
@@ -164,6 +166,7 @@ class Session:
         self.backends = backends
         self.history = history
         self.events: asyncio.Queue[conversation_pb2.ConverseEvent | RequestError | None] = asyncio.Queue()
+        self._overflowed = False
         self.turns = turn.TurnController(options.pipeline.turn_policy())
         self._turn = len([entry for entry in history if entry.role == "user"])
         self._closing = False
@@ -779,7 +782,28 @@ class Session:
 
     # ---- events ----------------------------------------------------------------------------------------------
     def _emit(self, turn: int | None = None, **event: Any) -> None:
-        self.events.put_nowait(conversation_pb2.ConverseEvent(turn_index=self._turn if turn is None else turn, **event))
+        self.deliver(conversation_pb2.ConverseEvent(turn_index=self._turn if turn is None else turn, **event))
+
+    def deliver(self, event: conversation_pb2.ConverseEvent) -> None:
+        """Queue an event for the client. Past MAX_PENDING_EVENTS unread, the client is not reading: its unread
+        events are dropped and the session ends with RESOURCE_EXHAUSTED, so memory stays bounded."""
+        if self._overflowed:
+            return
+        if self.events.qsize() >= MAX_PENDING_EVENTS:
+            self._overflowed = True
+            while not self.events.empty():
+                self.events.get_nowait()
+            log.warning("client not reading; session ended", extra={"session_id": self.options.session_id})
+            telemetry.ERRORS.labels("gateway", "RESOURCE_EXHAUSTED").inc()
+            self.events.put_nowait(
+                RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the client read none of the last {MAX_PENDING_EVENTS} events (replies, their audio); a "
+                    "client must read the event stream as it comes",
+                )
+            )
+            return
+        self.events.put_nowait(event)
 
     def _emit_metrics(self, reply: Reply) -> None:
         metrics = reply.metrics

@@ -1,0 +1,151 @@
+"""The pieces of failover, without services: what a replacement stream is given, how a hung call is noticed, how a
+reply is continued, and the bound on events a client does not read."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from gateway import turn
+from gateway.backends import Silence, watched
+from gateway.session import MAX_PENDING_EVENTS, RETAIN_PREROLL_MS, unsynthesized
+from services.llm.engine import Message
+from services.llm.prompt import CompletionPrompt
+from services.llm.server import to_request
+from tests.unit.fake_backends import FakeBackends, until
+from tests.unit.test_session import new_session
+from voicemesh.errors import RequestError
+from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2
+
+
+@pytest.mark.parametrize(
+    ("chunks", "rest"),
+    [
+        ([], "Hello there,  my friend. How are you?"),
+        (["Hello there,"], "  my friend. How are you?"),
+        (["Hello there,", "my friend."], " How are you?"),
+        (["Hello there,", "my friend.", "How are you?"], ""),
+    ],
+)
+def test_the_unsynthesized_rest_starts_after_the_chunks_heard_whole(chunks: list[str], rest: str) -> None:
+    assert unsynthesized("Hello there,  my friend. How are you?", chunks) == rest
+
+
+def test_a_replaced_asr_stream_drops_the_speculative_reply_it_started() -> None:
+    controller = turn.TurnController()
+    controller.on_speech_started(0)
+    (start,) = controller.on_candidate(100, "what time is it")
+    assert isinstance(start, turn.StartReply)
+    assert controller.on_asr_restarted() == [turn.CancelReply(start.reply_id)]
+    assert controller.on_asr_restarted() == []
+
+
+def test_a_continued_reply_is_rendered_after_its_start() -> None:
+    prompt = CompletionPrompt()
+    messages = [Message("user", "Tell me about the sea.")]
+    assert prompt.render(messages).endswith("User: Tell me about the sea.\nAssistant:")
+    continued = prompt.render(messages, "The sea is wide and ")
+    assert continued.endswith("User: Tell me about the sea.\nAssistant: The sea is wide and")
+    assert continued.startswith(prompt.render(messages)), "the prompt only grows: the prefix cache still hits"
+
+
+@pytest.mark.parametrize("prefix", ["a" * 4001, "two\nlines"])
+def test_a_reply_prefix_that_is_not_one_line_of_a_reply_is_refused(prefix: str) -> None:
+    request = llm_pb2.GenerateRequest(
+        session_id="s", messages=[llm_pb2.ChatMessage(role=llm_pb2.ROLE_USER, content="hi")], reply_prefix=prefix
+    )
+    with pytest.raises(RequestError) as refused:
+        to_request(request)
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "reply_prefix" in refused.value.message
+
+
+class Hanging:
+    """A call that sends `sent` and then nothing, ever (a SIGSTOPped replica)."""
+
+    def __init__(self, *sent: str) -> None:
+        self.sent = list(sent)
+
+    def __aiter__(self) -> AsyncIterator[str]:
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[str]:
+        for message in self.sent:
+            yield message
+        await asyncio.Event().wait()
+
+
+async def test_a_call_that_goes_quiet_past_its_limit_is_given_up() -> None:
+    silence = Silence("LLM", first_s=0.2, then_s=0.05)
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as stalled:
+        async for message in watched(Hanging("first", "second"), silence.problem, every_s=0.01):
+            silence.heard()
+            received.append(message)
+    assert received == ["first", "second"]
+    assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "LLM replica sent nothing" in (stalled.value.details() or "")
+
+
+async def test_a_quiet_call_is_left_alone_while_nothing_is_wrong() -> None:
+    async def three() -> AsyncIterator[int]:
+        for index in range(3):
+            await asyncio.sleep(0.03)
+            yield index
+
+    assert [m async for m in watched(three(), lambda: None, every_s=0.01)] == [0, 1, 2]
+
+
+def frame(index: int) -> audio_pb2.AudioFrame:
+    return audio_pb2.AudioFrame(data=b"\x00\x00" * 320, seq=index)
+
+
+async def test_the_audio_kept_for_a_replay_is_the_turn_in_progress_or_the_last_second() -> None:
+    backends = FakeBackends()
+    session = new_session(backends)
+    await until(lambda: session._asr_queue is not None)
+    for index in range(200):  # 4 s between turns; the ASR acknowledges it all
+        session.push_frame(frame(index))
+    backends.say(progress=asr_pb2.Progress(), audio_received_ms=4000, frames_received=200)
+    await until(lambda: session._asr_acked == 200)
+    assert len(session._retained) == 50, "between turns: the last second"
+    backends.say(speech_started=asr_pb2.SpeechStarted(), speech_start_ms=3900, audio_received_ms=4000)
+    for index in range(200, 600):  # an 8 s utterance: all of it is kept, and its pre-roll
+        session.push_frame(frame(index))
+    backends.say(progress=asr_pb2.Progress(), audio_received_ms=12000, frames_received=600)
+    await until(lambda: session._asr_acked == 600)
+    assert len(session._retained) == (12000 - 3900 + RETAIN_PREROLL_MS) // 20
+    backends.say(final=asr_pb2.Final(text="done"), speech_end_ms=11900, audio_received_ms=12000)
+    session.push_frame(frame(600))
+    await until(lambda: len(session._retained) == 4)  # from 50 ms after the speech end: 11960-12020
+    await session.close()
+
+
+async def test_an_asr_stream_that_stops_acknowledging_is_noticed() -> None:
+    backends = FakeBackends()
+    session = new_session(backends)
+    await until(lambda: session._asr_queue is not None)
+    session.push_frame(frame(0))
+    backends.say(progress=asr_pb2.Progress(), frames_received=1)
+    await until(lambda: session._asr_acks)
+    assert session._asr_stalled() is None
+    session.push_frame(frame(1))
+    assert session._asr_waiting_since is not None
+    session._asr_waiting_since -= 2000  # two seconds later, still no acknowledgement
+    assert "acknowledged no audio" in (session._asr_stalled() or "")
+    await session.close()
+
+
+async def test_a_client_that_reads_no_events_ends_its_session_not_the_gateways_memory() -> None:
+    session = new_session(FakeBackends())
+    for index in range(MAX_PENDING_EVENTS + 10):
+        session.deliver(conversation_pb2.ConverseEvent(turn_index=index))
+    assert session.events.qsize() == 1
+    refusal = session.events.get_nowait()
+    assert isinstance(refusal, RequestError) and refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "read none" in refusal.message
+    session.deliver(conversation_pb2.ConverseEvent())
+    assert session.events.empty(), "nothing more is queued for it"
+    await session.close()
