@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable, Iterator
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -73,9 +74,15 @@ async def watched(
     call: AsyncIterable[EventT], problem: Callable[[], str | None], every_s: float = WATCH_EVERY_S
 ) -> AsyncIterator[EventT]:
     """The call's messages, checking `problem` while none comes: when it names one (a replica that stopped
-    answering), DEADLINE_EXCEEDED with it is raised. The caller cancels the call and goes elsewhere."""
-    messages = aiter(call)
-    pending: asyncio.Future[EventT] = asyncio.ensure_future(anext(messages))
+    answering), DEADLINE_EXCEEDED with it is raised, and the call is cancelled, for the caller to go elsewhere.
+
+    A gRPC call is read with `read()` (no async generator is left mid-read when the call is given up); other
+    iterables (fakes in tests) with `anext`."""
+    read: Callable[[], Awaitable[Any]] | None = getattr(call, "read", None)
+    if read is None:
+        messages = aiter(call)
+        read = functools.partial(anext, messages, grpc.aio.EOF)
+    pending: asyncio.Future[Any] = asyncio.ensure_future(read())
     try:
         while True:
             done, _ = await asyncio.wait({pending}, timeout=every_s)
@@ -83,14 +90,16 @@ async def watched(
                 if (why := problem()) is not None:
                     raise stalled(grpc.StatusCode.DEADLINE_EXCEEDED, why)
                 continue
-            try:
-                message = pending.result()
-            except StopAsyncIteration:
+            message = pending.result()
+            if message is grpc.aio.EOF:
                 return
             yield message
-            pending = asyncio.ensure_future(anext(messages))
+            pending = asyncio.ensure_future(read())
     finally:
         pending.cancel()
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()  # a call given up on is ended at the replica too (no-op once it has ended)
 
 
 class Backends:

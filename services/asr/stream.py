@@ -79,6 +79,11 @@ class RecognitionStream:
         self._candidate_emitted = False
         self._tasks: set[asyncio.Task[None]] = set()
 
+    @property
+    def in_turn(self) -> bool:
+        """Inside an utterance: its speech has started and its end is not committed yet (its final is to come)."""
+        return self._endpointer.in_turn
+
     # ---- input -----------------------------------------------------------------------------------------
     def push_frame(self, frame: audio_pb2.AudioFrame) -> None:
         samples = self._resampler.process(pcm16_to_float(frame.data))
@@ -340,12 +345,15 @@ class RecognitionStream:
             self._audio_start += cut
 
     def finish_input(self) -> None:
-        """The client closed its side: a turn still open is committed with the audio there is."""
+        """The client closed its side: a turn still open is committed with the audio there is, and every frame
+        received is acknowledged."""
         if self._endpointer.in_turn:
             if self._draft is None:
                 self._start_draft()
             self._endpointer.end_turn()
             self._commit()
+        if self.progress_interval_ms:
+            self._send(asr_pb2.RecognizeEvent(progress=asr_pb2.Progress()))
 
     async def drain(self) -> None:
         """Wait for decodes in flight."""

@@ -10,26 +10,24 @@ SIGSTOPped mid-turn, and the turn still completes, whole, with no frame lost.
 from __future__ import annotations
 
 import asyncio
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
 
+from bench.chaos.faults import generating, mid_utterance, replica_of, speaking, start_gateway, two_replicas
 from gateway.server import GatewayServer
 from gateway.session import Session
 from tests.conftest import TRANSCRIPTS, load_clip, max_wer
-from tests.integration.helpers import start_gateway
 from voicemesh import telemetry
 from voicemesh.conversation import ReplyAudio, ReplyDone, ReplyText, SessionError, TalkTurn, talk
 from voicemesh.evaluation import normalize, word_error_rate
-from voicemesh.mesh import Mesh, free_port
+from voicemesh.mesh import Mesh
 from voicemesh.v1 import conversation_pb2
 
 pytestmark = pytest.mark.integration
 
-STAGES = ("asr", "llm", "tts")
 TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
@@ -39,10 +37,7 @@ TALKATIVE = conversation_pb2.SessionConfig(
 @pytest.fixture(scope="module")
 def replicas() -> Iterator[Mesh]:
     """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b: real services on loopback."""
-    mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-failover-"))
-    for stage in STAGES:
-        for name in "ab":
-            mesh.start(f"{stage}-{name}", free_port())
+    mesh = two_replicas()
     try:
         asyncio.run(mesh.wait(timeout_s=300))
         yield mesh
@@ -78,8 +73,7 @@ async def converse_through_a_fault(
 ) -> Outcome:
     """Talk to a gateway over both replicas of every stage; at `moment`, apply `fault` to the replica of `stage`
     the session is using. The victim is started again afterwards."""
-    targets = {stage: ",".join(mesh.processes[f"{stage}-{name}"].target for name in "ab") for stage in STAGES}
-    server = await start_gateway(targets["asr"], targets["llm"], targets["tts"])
+    server = await start_gateway(mesh)
     before = failovers(stage)
     talking = asyncio.ensure_future(talk(f"127.0.0.1:{server.port}", load_clip(clip_name), config, 8.0))
     victim = ""
@@ -102,12 +96,7 @@ async def strike(
     assert registry is not None
     session = await until(lambda: next(iter(registry.active.values()), None))
     await until(lambda: moment(session) or None, timeout_s=30.0)
-    backends = registry.backends
-    assert backends is not None
-    if stage == "llm":
-        target = backends.llm_order(session.options.session_id)[0]
-    else:
-        target = next(t for t, load in backends.sets[stage].replicas.items() if load.in_flight)
+    target = replica_of(server, session, stage)
     said = "".join(next((r.text for r in session._replies.values() if r.text), []))
     victim = next(name for name, process in mesh.processes.items() if process.target == target)
     fault(victim)
@@ -123,22 +112,6 @@ async def until(probe: Callable[[], T | None], timeout_s: float = 15.0) -> T:
         while (found := probe()) is None:
             await asyncio.sleep(0.002)
         return found
-
-
-def mid_utterance(session: Session) -> bool:
-    """The user has been speaking for a while (the ASR reported the start) and has not finished."""
-    return session._asr_in_speech and session._asr_acked > 60
-
-
-def generating(session: Session) -> bool:
-    """A reply has streamed its first words and the LLM is still going."""
-    return any(reply.text and not reply.llm_done for reply in session._replies.values())
-
-
-def speaking(session: Session) -> bool:
-    """The committed reply's audio is coming and its synthesis is not finished."""
-    reply = session._current
-    return reply is not None and reply.frames_released > 0 and not reply.tts_done
 
 
 def check_the_turn_completed_whole(outcome: Outcome, clip_name: str) -> None:

@@ -149,3 +149,16 @@ async def test_concurrent_requests_queue_and_all_complete(services: dict[str, st
     results = await asyncio.gather(*(ask(i) for i in range(3)))
     assert all(r[-1].finish_reason for r in results)
     assert max(r[0].queue_ms for r in results) > 0  # one slot: the others waited, and said how long
+
+
+async def test_a_reply_prefix_is_continued_not_repeated(services: dict[str, str]) -> None:
+    """What a replica that died mid-reply had streamed goes back as `reply_prefix`; the next one carries on."""
+    messages = [llm_pb2.ChatMessage(role=USER, content="What is the capital of France?")]
+    whole = [r async for r in clients.generate(services["llm"], [(USER, "What is the capital of France?")])]
+    text = "".join(r.text_delta for r in whole)
+    prefix = text[: len(text) // 2].rstrip()
+    request = llm_pb2.GenerateRequest(session_id="continued", messages=messages, reply_prefix=prefix)
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        rest = "".join([r.text_delta async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request)])
+    assert rest and not rest.strip().startswith(prefix.split()[0]), (prefix, rest)
+    assert prefix + rest == text, "greedy decoding: the continuation is the rest of the same reply"

@@ -1,0 +1,411 @@
+"""Process faults under load: two real replicas per stage, a few conversations talking, and one replica SIGKILLed,
+SIGSTOPped or SIGTERMed mid-conversation; then a soak with one replica restarted halfway.
+
+Each conversation speaks its utterances in real time with pauses between them (`voicemesh.conversation.talk`), to a
+gateway in this process (so its sessions can be accounted for: every frame the ASR acknowledged, every reply frame
+numbered). Figures per fault:
+- turns attempted (utterances spoken), completed (replied to the end) and lost;
+- reply frames received and lost (gaps in a turn's numbering), input frames the ASR never acknowledged;
+- recovery: for each conversation, from the fault (or the end of the user's speech, if later) to the next reply
+  audio it heard;
+- V2V p50/p99 of turns before, during (the 10 s after) and after the fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import resource
+import signal
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.server import GatewayServer, GatewaySettings, build_server
+from gateway.session import Session
+from voicemesh.audio import Clip
+from voicemesh.clients import epoch_us
+from voicemesh.conversation import ReplyAudio, ReplyDone, SessionError, TalkTurn, talk
+from voicemesh.mesh import Mesh, free_port
+from voicemesh.v1 import conversation_pb2
+
+log = logging.getLogger(__name__)
+
+STAGES = ("asr", "llm", "tts")
+KINDS = ("sigkill", "sigstop", "sigterm")
+DURING_S = 10.0  # turns whose speech ended this soon after a fault count as "during" it
+FAULT_HOLD_S = 5.0  # a killed or stopped replica comes back (restarted, continued) after this long
+GAP_S = 6.0  # silence between a conversation's utterances: a reply (at most SHORT_REPLY) ends before the next
+SHORT_REPLY = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(max_tokens=24))
+
+
+@dataclass
+class Conversation:
+    """One simulated caller: what it said and heard, and the gateway session that served it."""
+
+    index: int
+    utterances: int
+    turns: list[TalkTurn] = field(default_factory=list)
+    events: list[object] = field(default_factory=list)
+    sessions: list[Session] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class FaultReport:
+    stage: str
+    kind: str
+    victim: str
+    sessions: int
+    turns_attempted: int = 0
+    turns_completed: int = 0
+    turns_interrupted: int = 0  # the user spoke over the reply (it was heard in part): answered, not lost
+    turns_lost: int = 0
+    reply_frames: int = 0
+    reply_frames_lost: int = 0
+    input_frames_unacknowledged: int = 0
+    recovery_ms: list[float] = field(default_factory=list)
+    v2v_ms: dict[str, dict[str, float | int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    lost: list[dict[str, Any]] = field(default_factory=list)  # each conversation that lost a turn: what it heard
+
+    @property
+    def survived(self) -> bool:
+        return not (self.turns_lost or self.reply_frames_lost or self.input_frames_unacknowledged or self.errors)
+
+
+def two_replicas(log_dir: str | None = None) -> Mesh:
+    """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b on free loopback ports (not waited for)."""
+    mesh = Mesh(log_dir=log_dir or tempfile.mkdtemp(prefix="voicemesh-chaos-"))
+    for stage in STAGES:
+        for name in "ab":
+            mesh.start(f"{stage}-{name}", free_port())
+    return mesh
+
+
+async def start_gateway(mesh: Mesh) -> GatewayServer:
+    """A gateway in this process over both replicas of every stage."""
+    targets = {stage: ",".join(mesh.processes[f"{stage}-{n}"].target for n in "ab") for stage in STAGES}
+    settings = GatewaySettings(
+        port=0,
+        http_port=-1,
+        asr_target=targets["asr"],
+        llm_target=targets["llm"],
+        tts_target=targets["tts"],
+        drain_grace_s=1,
+    )
+    server = build_server(settings)
+    await server.start()
+    return server
+
+
+def script(clips: Sequence[Clip], utterances: int, offset: int) -> Clip:
+    """`utterances` clips, each followed by GAP_S of silence, starting at clip `offset` (16 kHz)."""
+    pieces: list[np.ndarray] = []
+    for index in range(utterances):
+        pieces += [clips[(offset + index) % len(clips)].to_rate(16000).samples, np.zeros(int(GAP_S * 16000))]
+    return Clip(np.concatenate(pieces).astype(np.float32), 16000)
+
+
+async def converse(target: str, conversation: Conversation, clip: Clip, delay_s: float) -> None:
+    await asyncio.sleep(delay_s)
+    try:
+        conversation.turns, _, conversation.events = await talk(target, clip, SHORT_REPLY, trailing_silence_s=6.0)
+    except Exception as error:  # a conversation that died is a figure, not a crash of the benchmark
+        conversation.error = f"{type(error).__name__}: {error}"
+
+
+@contextlib.contextmanager
+def watching_sessions(server: GatewayServer, conversations: list[Conversation]) -> Iterator[None]:
+    """Keep each gateway session (it leaves the registry when it ends) for the accounting after the run."""
+    registry = server.registry
+    assert registry is not None
+    seen: dict[str, Session] = {}
+
+    async def watch() -> None:
+        while True:
+            for session_id, session in registry.active.items():
+                seen.setdefault(session_id, session)
+            await asyncio.sleep(0.05)
+
+    task = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        ordered = sorted(seen.values(), key=lambda s: s.options.session_id)
+        for conversation in conversations:
+            conversation.sessions = [s for s in ordered if _belongs(s, conversation)]
+
+
+def _belongs(session: Session, conversation: Conversation) -> bool:
+    return any(getattr(e, "session_id", None) == session.options.session_id for e in conversation.events)
+
+
+def mid_utterance(session: Session) -> bool:
+    """The user has been speaking for over a second (the ASR acknowledged it) and has not finished."""
+    return session._asr_in_speech and session._asr_acked > 60
+
+
+def generating(session: Session) -> bool:
+    """A reply has streamed its first words and the LLM is still going."""
+    return any(reply.text and not reply.llm_done for reply in session._replies.values())
+
+
+def speaking(session: Session) -> bool:
+    """The committed reply's audio is coming and its synthesis is not finished."""
+    reply = session._current
+    return reply is not None and reply.frames_released > 0 and not reply.tts_done
+
+
+MOMENTS = {"asr": mid_utterance, "llm": generating, "tts": speaking}  # when a fault of each stage hurts most
+
+
+def replica_of(server: GatewayServer, session: Session, stage: str) -> str:
+    """The replica of `stage` serving `session` now."""
+    backends = server.registry.backends if server.registry is not None else None
+    assert backends is not None
+    if stage == "llm":
+        return backends.llm_order(session.options.session_id)[0]
+    return next(t for t, load in backends.sets[stage].replicas.items() if load.in_flight)
+
+
+async def strike_when(server: GatewayServer, stage: str, mesh: Mesh, timeout_s: float = 20.0) -> str:
+    """Wait until a session is where a fault of `stage` hurts most; return the name of its replica (or, past
+    `timeout_s`, of the busiest one)."""
+    registry = server.registry
+    assert registry is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for session in list(registry.active.values()):
+            if MOMENTS[stage](session):
+                target = replica_of(server, session, stage)
+                return next(name for name, process in mesh.processes.items() if process.target == target)
+        await asyncio.sleep(0.002)
+    return victim_of(server, stage, mesh)
+
+
+def victim_of(server: GatewayServer, stage: str, mesh: Mesh) -> str:
+    """The replica of `stage` with the most of this gateway's work on it (any, when none has work)."""
+    registry = server.registry
+    assert registry is not None and registry.backends is not None
+    backends = registry.backends
+    if stage == "llm":
+        counts: dict[str, int] = {}
+        for session_id in registry.active:
+            first = backends.llm_order(session_id)[0]
+            counts[first] = counts.get(first, 0) + 1
+    else:
+        counts = {target: load.in_flight for target, load in backends.sets[stage].replicas.items()}
+    target = max(sorted(counts), key=lambda t: counts[t]) if counts else mesh.processes[f"{stage}-a"].target
+    return next(name for name, process in mesh.processes.items() if process.target == target)
+
+
+async def inject(mesh: Mesh, victim: str, kind: str) -> None:
+    """Apply the fault, hold it, then bring the replica back."""
+    process = mesh.processes[victim].popen
+    if kind == "sigkill":
+        mesh.kill(victim)
+        await asyncio.sleep(FAULT_HOLD_S)
+        mesh.restart(victim)
+    elif kind == "sigstop":
+        mesh.freeze(victim)
+        await asyncio.sleep(FAULT_HOLD_S)
+        mesh.thaw(victim)
+    else:
+        process.send_signal(signal.SIGTERM)  # it drains: finishes what it holds, hands the rest back
+        await asyncio.to_thread(process.wait, 60)
+        await asyncio.sleep(max(0.0, FAULT_HOLD_S - 1))
+        mesh.restart(victim)
+    await mesh.wait(names=[victim])
+
+
+async def run_fault(
+    mesh: Mesh, stage: str, kind: str, clips: Sequence[Clip], sessions: int = 4, utterances: int = 4
+) -> FaultReport:
+    """`sessions` conversations of `utterances` turns; once the first round is done, the fault strikes a replica
+    of `stage` at the moment it hurts most (mid-utterance, mid-generation, mid-speech)."""
+    server = await start_gateway(mesh)
+    target = f"127.0.0.1:{server.port}"
+    conversations = [Conversation(index, utterances) for index in range(sessions)]
+    first_turn_s = clips[0].duration_s + GAP_S
+    try:
+        with watching_sessions(server, conversations):
+            talks = [
+                asyncio.ensure_future(converse(target, c, script(clips, utterances, c.index), c.index * 0.7))
+                for c in conversations
+            ]
+            await asyncio.sleep(first_turn_s)
+            victim = await strike_when(server, stage, mesh)
+            fault_us = epoch_us()
+            log.info("fault", extra={"stage": stage, "kind": kind, "victim": victim})
+            await inject(mesh, victim, kind)
+            await asyncio.gather(*talks)
+    finally:
+        await server.stop()
+    return account(FaultReport(stage, kind, victim, sessions), conversations, fault_us)
+
+
+def account(report: FaultReport, conversations: list[Conversation], fault_us: int) -> FaultReport:
+    phases: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+    for conversation in conversations:
+        if conversation.error:
+            report.errors.append(f"conversation {conversation.index}: {conversation.error}")
+        done = {e.turn_index for e in conversation.events if isinstance(e, ReplyDone)}
+        heard = {e.turn_index for e in conversation.events if isinstance(e, ReplyAudio)}
+        completed = [t for t in conversation.turns if t.turn_index in done and not t.interrupted]
+        interrupted = [t for t in conversation.turns if t.interrupted and t.turn_index in heard]
+        report.turns_attempted += conversation.utterances
+        report.turns_completed += min(len(completed), conversation.utterances)
+        report.turns_interrupted += len(interrupted)
+        lost = max(0, conversation.utterances - len(completed) - len(interrupted))
+        report.turns_lost += lost
+        if lost:
+            report.lost.append(
+                {
+                    "conversation": conversation.index,
+                    "turns": [
+                        {"user": t.user_text, "replied": t.turn_index in done, "interrupted": t.interrupted}
+                        for t in conversation.turns
+                    ],
+                    "errors": [
+                        f"{e.stage}: {e.code} {e.message}" for e in conversation.events if isinstance(e, SessionError)
+                    ],
+                }
+            )
+        frames: dict[int, list[int]] = {}
+        heard_after: list[int] = []
+        for event in conversation.events:
+            if isinstance(event, ReplyAudio):
+                frames.setdefault(event.turn_index, []).append(event.seq)
+                if event.received_us > fault_us:
+                    heard_after.append(event.received_us)
+        for seqs in frames.values():
+            report.reply_frames += len(seqs)
+            report.reply_frames_lost += (max(seqs) + 1 - len(set(seqs))) + (len(seqs) - len(set(seqs)))
+        for session in conversation.sessions:
+            report.input_frames_unacknowledged += max(0, session._asr_seq - session._asr_acked)
+        for turn in completed:
+            if turn.v2v_ms is None:
+                continue
+            end_us = turn.speech_end_sent_us
+            phase = "before" if end_us < fault_us else "during" if end_us < fault_us + DURING_S * 1e6 else "after"
+            phases[phase].append(turn.v2v_ms)
+        report.recovery_ms += recovery(conversation, fault_us, heard_after)
+    report.v2v_ms = {phase: summary(values) for phase, values in phases.items()}
+    return report
+
+
+def recovery(conversation: Conversation, fault_us: int, heard_after: list[int]) -> list[float]:
+    """From the fault, or from the end of the user's speech if that came later, to the next reply audio heard."""
+    if not heard_after:
+        return []
+    heard_us = min(heard_after)
+    ends = [t.speech_end_sent_us for t in conversation.turns if 0 < t.speech_end_sent_us <= heard_us]
+    return [(heard_us - max([fault_us, *ends])) / 1000]
+
+
+def summary(values: list[float]) -> dict[str, float | int]:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "p50": round(float(np.percentile(values, 50)), 1),
+        "p99": round(float(np.percentile(values, 99)), 1),
+    }
+
+
+# ---- soak ------------------------------------------------------------------------------------------------------
+@dataclass
+class SoakReport:
+    duration_s: float
+    sessions: int
+    restarted: str
+    turns_attempted: int = 0
+    turns_completed: int = 0
+    samples: list[dict[str, float]] = field(default_factory=list)
+    rss_slope_mb_per_min: float = 0.0
+    tasks_slope_per_min: float = 0.0
+    errors: list[str] = field(default_factory=list)
+
+
+async def run_soak(mesh: Mesh, clips: Sequence[Clip], duration_s: float, sessions: int = 4) -> SoakReport:
+    """Conversations back to back for `duration_s`; the LLM replica most used is SIGTERMed and restarted halfway.
+    RSS (of this process: the gateway and the callers) and the event loop's task count are sampled throughout."""
+    server = await start_gateway(mesh)
+    target = f"127.0.0.1:{server.port}"
+    report = SoakReport(duration_s, sessions, "")
+    started = time.monotonic()
+    deadline = started + duration_s
+
+    async def caller(index: int) -> None:
+        round_ = 0
+        while time.monotonic() < deadline - 20:
+            conversation = Conversation(index, 3)
+            await converse(target, conversation, script(clips, 3, index + round_), index * 0.7 if not round_ else 0)
+            done = {e.turn_index for e in conversation.events if isinstance(e, ReplyDone)}
+            report.turns_attempted += 3
+            report.turns_completed += min(3, len([t for t in conversation.turns if t.turn_index in done]))
+            if conversation.error:
+                report.errors.append(conversation.error)
+            round_ += 1
+
+    async def sample() -> None:
+        while True:
+            report.samples.append(
+                {
+                    "t_s": round(time.monotonic() - started, 1),
+                    "rss_mb": round(_rss_mb(), 1),
+                    "tasks": len(asyncio.all_tasks()),
+                }
+            )
+            await asyncio.sleep(10)
+
+    async def restart_halfway() -> None:
+        await asyncio.sleep(duration_s / 2)
+        report.restarted = victim_of(server, "llm", mesh)
+        await inject(mesh, report.restarted, "sigterm")
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        await asyncio.gather(*(caller(i) for i in range(sessions)), restart_halfway())
+    finally:
+        sampler.cancel()
+        await server.stop()
+    # The slope over the second half of the soak (the first holds warm-up: caches, first allocations).
+    late = [s for s in report.samples if s["t_s"] >= duration_s / 2]
+    if len(late) >= 3:
+        times = [s["t_s"] / 60 for s in late]
+        report.rss_slope_mb_per_min = round(float(np.polyfit(times, [s["rss_mb"] for s in late], 1)[0]), 3)
+        report.tasks_slope_per_min = round(float(np.polyfit(times, [s["tasks"] for s in late], 1)[0]), 3)
+    return report
+
+
+def _rss_mb() -> float:
+    try:
+        with open(f"/proc/{os.getpid()}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def as_json(report: FaultReport | SoakReport) -> dict[str, Any]:
+    data = dataclasses.asdict(report)
+    if isinstance(report, FaultReport):
+        data["survived"] = report.survived
+        data["recovery_ms"] = summary(report.recovery_ms) | {"values": [round(v) for v in report.recovery_ms]}
+    return data
+
+
+def faults(stages: Sequence[str], kinds: Sequence[str]) -> list[tuple[str, str]]:
+    return [(stage, kind) for stage in stages for kind in kinds]
