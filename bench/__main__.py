@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 from bench import pipeline, routing, services, turns
+from bench.chaos import __main__ as chaos
 from voicemesh import loadtest
 
 
@@ -30,6 +32,7 @@ def main() -> None:
         options = loadtest.LoadTestOptions(target="", turns=2, audio=clips)
         out = Path(__file__).resolve().parent / "results" / f"sweep-{time.strftime('%Y%m%d-%H%M%S')}"
         results["loadtest_sweep"] = loadtest.run_sweep(options, (1, 2, 4, 8), out_dir=out).to_json()
+    results["chaos"] = asyncio.run(chaos.run(chaos.parse([])))
     out_dir = Path(__file__).resolve().parent / "results"
     out_dir.mkdir(exist_ok=True)
     path = out_dir / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -40,8 +40,18 @@ HEALTH_TIMEOUT_S = 1.0
 WATCH_EVERY_S = 0.1  # how often a watched call's liveness is checked while it is quiet
 READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
 LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
-LLM_STALL_S = 1.5  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
+LLM_STALL_S = 1.0  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
 LLM_CALL_DEADLINE_S = 60.0  # the longest reply (512 tokens) takes ~15 s on 2 cores
+
+
+def replica_failed(error: grpc.aio.AioRpcError) -> bool:
+    """The replica died, hung, drained or was full (not a refusal of the request): the work goes elsewhere.
+
+    A stream the server ends while the client is still writing can surface as INTERNAL "Internal error from Core"
+    instead of its status (grpc/grpc#36066); a draining replica's UNAVAILABLE is seen that way now and then."""
+    if error.code() in FAILOVER_CODES:
+        return True
+    return error.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (error.details() or "")
 
 
 def stalled(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
@@ -265,7 +275,7 @@ class Backends:
                     yield response
                 return
             except grpc.aio.AioRpcError as error:
-                if error.code() not in FAILOVER_CODES:
+                if not replica_failed(error):
                     raise
                 if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     self.mark_down("llm", target)  # a full replica is healthy: only skipped for this call

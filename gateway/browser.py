@@ -1,5 +1,6 @@
 """A session as a browser door runs it, over WebSocket or WebRTC: checked frames and the page's control messages in,
-events out to its transport, an idle timeout, and a close that tells the page why."""
+events out to its transport, an idle timeout, a cut-off for a page that stops reading, and a close that tells the page
+why."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf import json_format
 
+from gateway.downlink import DOWNLINK_STALL_S, DownlinkWatch
 from gateway.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_OK,
@@ -32,7 +34,8 @@ log = logging.getLogger(__name__)
 class Transport(Protocol):
     """What a browser door gives its session: events to the page, and a close with a code and a reason.
 
-    Reply audio is not sent through here: each transport plays the session's playout itself, on its own clock.
+    Reply audio is not sent through here: each transport plays the session's playout itself, on its own clock. Both
+    go through the session's `downlink` watch, which a transport tells when the page is not reading.
     """
 
     async def send_json(self, message: dict[str, Any]) -> None: ...
@@ -44,7 +47,14 @@ class BrowserSession:
     """One page's session: frames and control in, events out, until it ends, is taken over, idles out or the page
     goes; then its transport closes with the reason and the session ends."""
 
-    def __init__(self, registry: SessionRegistry, session: Session, idle_timeout_s: float, door: str) -> None:
+    def __init__(
+        self,
+        registry: SessionRegistry,
+        session: Session,
+        idle_timeout_s: float,
+        door: str,
+        downlink_stall_s: float = DOWNLINK_STALL_S,
+    ) -> None:
         self.registry = registry
         self.session = session
         self.session_id = session.options.session_id
@@ -53,6 +63,7 @@ class BrowserSession:
         self.checker = FrameChecker(session.options.input_rate_hz, registry.max_audio_ahead_ms)
         self.last_audio_s = time.monotonic()
         self.stopping = False
+        self.downlink = DownlinkWatch(downlink_stall_s)
         self._transport: Transport | None = None
         self._shutdown = asyncio.Event()
         self._finishing: asyncio.Task[None] | None = None
@@ -88,7 +99,7 @@ class BrowserSession:
         else:
             problem = invalid(f"control message type {kind!r} unknown; send 'stop' or 'report'")
         if self._transport is not None:
-            await self._transport.send_json(error_message(problem, recoverable=True))
+            await self._send(self._transport, error_message(problem, recoverable=True))
 
     async def stop(self) -> None:
         """The user is done: the last reply plays out, then the event stream ends (and `run` closes the door)."""
@@ -128,11 +139,12 @@ class BrowserSession:
         reading: asyncio.Future[None] = asyncio.ensure_future(reader)
         idle = asyncio.ensure_future(self._idle())
         shutdown = asyncio.ensure_future(self._shutdown.wait())
+        stalled = self.downlink.stalled
         getter: asyncio.Future[conversation_pb2.ConverseEvent | RequestError | None] | None = None
         try:
             while True:
                 getter = asyncio.ensure_future(self.session.events.get())
-                waiting: set[asyncio.Future[Any]] = {getter, reading, idle, shutdown}
+                waiting: set[asyncio.Future[Any]] = {getter, reading, idle, shutdown, stalled}
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if getter.done():
                     event = getter.result()
@@ -142,10 +154,13 @@ class BrowserSession:
                         return CLOSE_TAKEN_OVER, "this conversation continues on a newer connection"
                     if isinstance(event, RequestError):
                         return await self._refuse(transport, event)
-                    await transport.send_json(event_message(event))
-                    continue
+                    if await self._send(transport, event_message(event)):
+                        continue
                 getter.cancel()
+                if stalled.done():
+                    return await self._refuse(transport, stalled.result())
                 if shutdown.done():
+                    await self._send_queued(transport)
                     return CLOSE_GOING_AWAY, "the gateway is shutting down; reconnect to continue"
                 if idle.done():
                     return await self._refuse(transport, idle.result())
@@ -166,12 +181,38 @@ class BrowserSession:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
 
+    async def _send(self, transport: Transport, message: dict[str, Any]) -> bool:
+        """Send one message to the page, or give up on it once the downlink stalled (False): a page that is not
+        reading would hold the send, and the session with it, for as long as its connection lasts."""
+        stalled = self.downlink.stalled
+        if stalled.done():
+            return False
+        sending = asyncio.ensure_future(transport.send_json(message))
+        racing: set[asyncio.Future[Any]] = {sending, stalled}
+        await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+        if not sending.done():
+            sending.cancel()
+            await asyncio.gather(sending, return_exceptions=True)
+            return False
+        sending.result()
+        return True
+
+    async def _send_queued(self, transport: Transport) -> None:
+        """Send the events already queued: the drain let the reply finish, and its end (reply_done, the turn's
+        metrics) may be queued still when the gateway closes the door."""
+        while not self.session.events.empty():
+            event = self.session.events.get_nowait()
+            if not isinstance(event, conversation_pb2.ConverseEvent):
+                return
+            if not await self._send(transport, event_message(event)):
+                return
+
     async def _refuse(self, transport: Transport, error: RequestError) -> tuple[int, str]:
         log.info(
             "browser session refused",
             extra={"session_id": self.session_id, "door": self.door, "code": error.code.name, "reason": error.message},
         )
-        await transport.send_json(error_message(error))
+        await self._send(transport, error_message(error))  # not to a page that is not reading: only the close says it
         return close_code(error), error.message
 
     async def _idle(self) -> RequestError:

@@ -19,7 +19,11 @@ class OriginPolicy:
         """Raises PERMISSION_DENIED for a foreign page. No Origin header means no browser, so no page to forge."""
         if origin is None or "*" in self.allowed:
             return
-        if urlsplit(origin).netloc.lower() == host.lower() or origin.rstrip("/").lower() in self.allowed:
+        try:
+            netloc = urlsplit(origin).netloc.lower()
+        except ValueError:  # not a URL (an unclosed IPv6 bracket): no page of this gateway's
+            netloc = ""
+        if (netloc and netloc == host.lower()) or origin.rstrip("/").lower() in self.allowed:
             return
         raise RequestError(
             grpc.StatusCode.PERMISSION_DENIED,

@@ -11,9 +11,9 @@ data channel carries too.
                     binary  reply audio: 12-byte header <q sent_time_us><I turn_index>, then 20 ms of PCM16LE mono
                             at output_sample_rate_hz, paced at real time (a 100 ms lead) and dropped at once on barge-in
   Refusals: an {"type": "error", "code", "message", "recoverable": false} event, then a close with a reason:
-  4400 bad request (config, frame size), 4401 no or wrong token, 4403 origin not allowed, 4408 idle, 4409 continued
-  on a newer connection, 4429 gateway full, 1001 gateway shutting down. /api/offer refuses with an HTTP status and
-  {"error": {...}}.
+  4400 bad request (config, frame size), 4401 no or wrong token, 4403 origin not allowed, 4408 idle or at the
+  session's maximum length, 4409 continued on a newer connection, 4429 gateway full or the page not reading its
+  messages, 1001 gateway shutting down. /api/offer refuses with an HTTP status and {"error": {...}}.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ CLOSE_CODES = {
     grpc.StatusCode.PERMISSION_DENIED: CLOSE_ORIGIN,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CLOSE_FULL,
     grpc.StatusCode.DEADLINE_EXCEEDED: CLOSE_IDLE,
+    grpc.StatusCode.UNAVAILABLE: CLOSE_GOING_AWAY,  # a gateway that is shutting down: connect again elsewhere
 }
 
 
@@ -55,8 +56,9 @@ def close_code(error: RequestError) -> int:
 
 
 def close_reason(reason: str) -> bytes:
-    """A close reason cut to the WebSocket limit."""
-    return reason.encode()[:CLOSE_REASON_BYTES]
+    """A close reason cut to the WebSocket limit, at a character boundary: a reason that is not UTF-8 fails the
+    page's connection (close 1007) instead of telling it why."""
+    return reason.encode()[:CLOSE_REASON_BYTES].decode(errors="ignore").encode()
 
 
 def parse_uplink_frame(data: bytes, rate_hz: int) -> tuple[int, int, bytes]:

@@ -1,10 +1,11 @@
-"""The gateway's sessions, whichever door they came in by: one per conversation id, one limit for all doors, the
-conversations kept for their owners' reconnects, credentials and the per-client start rate."""
+"""The gateway's sessions, whichever door they came in by: one per conversation id, one limit for all doors and one
+maximum length, the conversations kept for their owners' reconnects, credentials and the per-client start rate."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -97,6 +98,7 @@ class SessionRegistry:
         self.backends: Backends | None = None
         self.conversations = ConversationStore(settings.remembered_sessions)
         self.active: dict[str, Session] = {}
+        self._length_limits: dict[Session, asyncio.Task[None]] = {}
         self.authenticator = authenticator_for(settings)
         self.max_audio_ahead_ms = settings.max_audio_ahead_ms or None
         self.draining = False
@@ -171,6 +173,10 @@ class SessionRegistry:
         )
         session.resume_token = resume_token
         self.active[options.session_id] = session
+        if self.settings.max_session_s > 0:
+            limit = asyncio.ensure_future(self._end_at_max_length(session, self.settings.max_session_s))
+            limit.add_done_callback(_log_failure)
+            self._length_limits[session] = limit
         telemetry.SESSIONS.labels(door).inc()
         telemetry.ACTIVE_SESSIONS.set(len(self.active))
         log.info(
@@ -182,6 +188,21 @@ class SessionRegistry:
         )
         session.events.put_nowait(conversation_pb2.ConverseEvent(started=started))
         return session
+
+    async def _end_at_max_length(self, session: Session, max_s: float) -> None:
+        """After `max_s`, and once the reply being spoken then has played out (at most drain_grace_s more, as in a
+        drain), the session's events end with DEADLINE_EXCEEDED: its door closes the call or the socket saying why.
+
+        DEADLINE_EXCEEDED, not RESOURCE_EXHAUSTED: the session ran out of time, and a new one may start at once; here
+        RESOURCE_EXHAUSTED means a full gateway or a flood, which clients answer by backing off or going elsewhere."""
+        await asyncio.sleep(max_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(session.until_idle(), self.settings.drain_grace_s)
+        log.info("session at its maximum length", extra={"session_id": session.options.session_id, "max_s": max_s})
+        message = (
+            f"the session reached its maximum length of {max_s:g} s; start a new one (the conversation is remembered)"
+        )
+        session.events.put_nowait(RequestError(grpc.StatusCode.DEADLINE_EXCEEDED, message))  # after what is queued
 
     async def drain(self, grace_s: float) -> None:
         """Refuse new sessions, and wait (at most `grace_s`) until no open session is speaking a reply."""
@@ -206,7 +227,15 @@ class SessionRegistry:
 
     async def end_session(self, session: Session) -> None:
         """Stop the session's pipeline and free its slot (unless a newer session with its id took the slot)."""
+        limit = self._length_limits.pop(session, None)
+        if limit is not None:
+            limit.cancel()
         await session.close()
         if self.current(session):
             del self.active[session.options.session_id]
         telemetry.ACTIVE_SESSIONS.set(len(self.active))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("session length limit failed", exc_info=task.exception())

@@ -24,7 +24,7 @@ import grpc
 from opentelemetry.trace import Span
 
 from gateway import turn
-from gateway.backends import FAILOVER_CODES, Backends, stalled, watched
+from gateway.backends import Backends, replica_failed, stalled, watched
 from gateway.options import SessionOptions
 from gateway.playout import Playout
 from voicemesh import stages, telemetry
@@ -39,8 +39,10 @@ HOSTNAME = socket.gethostname()
 RECONNECT_BACKOFF_S = (0.2, 2.0)
 FINISH_TIMEOUT_S = 60.0
 ASR_PROGRESS_MS = 200  # the ASR acknowledges the frames it received this often (progress_interval_ms)
-ASR_STALL_MS = 1500.0  # frames unacknowledged this long: the ASR replica hung; the stream moves elsewhere
-TTS_STALL_MS = 2000.0  # a reply waiting this long for audio: the TTS replica hung (chunks take ~100-300 ms)
+# How long a replica may keep a session waiting before it is taken for hung (SIGSTOP, a wedged process) and the work
+# moves elsewhere. Short, for a recovery within 2 s; long enough that a busy replica is not mistaken for a hung one.
+ASR_STALL_MS = 1000.0  # frames unacknowledged (acknowledgements come every 200 ms of audio, from the event loop)
+TTS_STALL_MS = 1500.0  # a reply handed over whole, and no audio (a chunk takes ~100-300 ms; more when queued)
 TTS_RESUME_S = 5.0  # the unspoken rest of a reply waits this long for a TTS stream to come back, then fails
 RETAIN_MAX_MS = 30_000.0  # the ASR's longest turn (28 s) and its pre-roll: the most audio kept for a replay
 RETAIN_PREROLL_MS = 300.0  # audio kept before a turn's speech start (the ASR's own pre-roll is 200 ms)
@@ -296,8 +298,9 @@ class Session:
         for reply in list(self._replies.values()):
             self._cancel_reply(reply)
         self.playout.flush()
-        if self._tts_queue is not None:
-            self._tts_queue.put_nowait(None)
+        for queue in (self._asr_queue, self._tts_queue):
+            if queue is not None:
+                queue.put_nowait(None)  # the request iterators end, and with them gRPC's writer tasks
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -341,10 +344,11 @@ class Session:
                 raise stalled(grpc.StatusCode.UNAVAILABLE, "the ASR replica ended the stream")
             except grpc.aio.AioRpcError as error:
                 self._asr_queue = None
+                queue.put_nowait(None)  # ends the request iterator gRPC's writer task still waits on
                 if self._fatal_if_bad_request("asr", error) or self._closing:
                     return
                 elsewhere = target and len(self.backends.candidates("asr")) > 1
-                if elsewhere and error.code() in FAILOVER_CODES:
+                if elsewhere and replica_failed(error):
                     self.backends.mark_down("asr", target)  # the next pick goes elsewhere
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and elsewhere:
                     continue  # full, not broken: nothing to report
@@ -702,6 +706,7 @@ class Session:
                 raise stalled(grpc.StatusCode.UNAVAILABLE, "the TTS replica ended the stream")
             except grpc.aio.AioRpcError as error:
                 self._tts_queue = None
+                queue.put_nowait(None)  # ends the request iterator gRPC's writer task still waits on
                 if self._fatal_if_bad_request("tts", error) or self._closing:
                     return
                 now = _now_ms()
@@ -713,7 +718,7 @@ class Session:
                     for reply in list(self._replies.values()):  # no voice for this long: they cannot be spoken now
                         self._fail(reply)
                 elsewhere = target and len(self.backends.candidates("tts")) > 1
-                if elsewhere and error.code() in FAILOVER_CODES:
+                if elsewhere and replica_failed(error):
                     self.backends.mark_down("tts", target)
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and elsewhere:
                     continue

@@ -37,6 +37,11 @@ class GatewaySettings(config.ServerSettings):
         "", "comma-separated page origins allowed besides the gateway's own (e.g. https://app.example.com; * = any)"
     )
     idle_timeout_s: float = config.setting(60.0, "a browser session that sends no audio this long is closed")
+    max_session_s: float = config.setting(
+        3600.0,
+        "longest a session lasts; then (once the reply being spoken has played, at most drain_grace_s more) it ends "
+        "with DEADLINE_EXCEEDED and the client starts a new one, which may resume the conversation; 0 = unbounded",
+    )
     max_audio_ahead_ms: float = config.setting(
         2000.0,
         "audio may arrive this far ahead of real time (a client catching up); more is RESOURCE_EXHAUSTED, so a "

@@ -38,6 +38,7 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAUTHENTICATED: 401,
     grpc.StatusCode.PERMISSION_DENIED: 403,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 503,
+    grpc.StatusCode.UNAVAILABLE: 503,  # shutting down: offer again to reach another replica
 }
 
 
@@ -168,8 +169,10 @@ class WebDoor:
         try:
             answer = await peer.answer(body["sdp"])
         except BaseException as error:  # whatever failed, the session opened for this offer is released
-            await peer.close(CLOSE_BAD_REQUEST, "the offer was not understood")
-            await self.registry.end_session(session)
+            try:
+                await peer.close(CLOSE_BAD_REQUEST, "the offer was not understood")
+            finally:
+                await self.registry.end_session(session)
             if not isinstance(error, ValueError):
                 raise
             return _error_response(invalid(f"the SDP offer was not understood: {error}"))
@@ -208,7 +211,8 @@ class WebDoor:
         fallback = start.get("fallback")
         if fallback:
             log.info("moved from WebRTC to WebSocket", extra={"session_id": browser.session_id, "fallback": fallback})
-        await self._spawn(self._run(browser, WebSocketTransport(ws, session.playout), read_websocket(ws, browser)))
+        transport = WebSocketTransport(ws, session.playout, browser.downlink)
+        await self._spawn(self._run(browser, transport, read_websocket(ws, browser)))
         return ws
 
     def _spawn(self, coroutine: Awaitable[None]) -> asyncio.Task[None]:

@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 INPUT_RATE_HZ = 48000  # Opus decodes at 48 kHz: the session takes the mic at that rate, no resampling here
 EVENTS_CHANNEL = "events"
-MAX_PENDING_EVENTS = 1000  # events held until the data channel opens
+MAX_PENDING_EVENTS = 1000  # events held until the data channel opens; more: the page is not reading
+MAX_BUFFERED_BYTES = 256 * 1024  # events queued in the data channel, unsent (the SCTP window is full); more: likewise
 ICE_SCHEMES = ("stun:", "turn:", "turns:")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 ANY_HOSTS = ("0.0.0.0", "::", "")
@@ -173,8 +174,9 @@ class WebRtcPeer:
             # After the remote description, so the reply rides on the page's (sendrecv) audio transceiver.
             self.pc.addTrack(self.reply)
             await self.pc.setLocalDescription(await self.pc.createAnswer())
-        except (ValueError, KeyError, IndexError, AttributeError) as error:
-            raise ValueError(str(error) or type(error).__name__) from error
+        except (ValueError, KeyError, IndexError, AttributeError, TypeError, AssertionError) as error:
+            # aiortc's SDP parser asserts on a line it cannot read (found by bench/chaos/fuzz.py: a 500 otherwise).
+            raise ValueError(str(error) or f"a malformed line ({type(error).__name__})") from error
         return self.pc.localDescription
 
     async def input_ended(self) -> None:
@@ -183,12 +185,22 @@ class WebRtcPeer:
 
     # ---- Transport ----------------------------------------------------------------------------------------------
     async def send_json(self, message: dict[str, Any]) -> None:
+        """Onto the data channel, whose send never waits: its queue and the one before it opens are bounded here, so a
+        page that is not reading (or a path that went dark) ends the session instead of growing them."""
         text = json.dumps(message)
-        if self._channel is not None and self._channel.readyState == "open":
-            if self.pc.connectionState == "connected":  # not into a connection that is going down
-                self._channel.send(text)
-        elif len(self._pending) < MAX_PENDING_EVENTS:
-            self._pending.append(text)
+        channel = self._channel
+        if channel is None:
+            if len(self._pending) < MAX_PENDING_EVENTS:
+                self._pending.append(text)
+            else:
+                what = f"{MAX_PENDING_EVENTS} events wait for the page to open its {EVENTS_CHANNEL!r} data channel"
+                self.browser.downlink.overflow(what)
+        elif channel.readyState != "open":
+            return  # the page is closing it
+        elif channel.bufferedAmount > MAX_BUFFERED_BYTES:
+            self.browser.downlink.overflow(f"{MAX_BUFFERED_BYTES // 1024} KiB of events wait on the data channel")
+        elif self.pc.connectionState == "connected":  # not into a connection that is going down
+            channel.send(text)
 
     async def close(self, code: int, reason: str) -> None:
         await self.send_json({"type": "closed", "code": code, "reason": reason})
@@ -198,7 +210,13 @@ class WebRtcPeer:
                     break
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.1)
-        await self.pc.close()
+        try:
+            await self.pc.close()
+        except AttributeError as error:
+            # aiortc cannot close a connection it half built from an offer it could not answer (a BUNDLE group naming
+            # a section that is not there leaves its SCTP transport unset; found by bench/chaos/fuzz.py). Its answer
+            # failed before any candidate was gathered, so no socket is left open.
+            log.info("peer connection closed half built", extra={"session_id": self.session_id, "error": str(error)})
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

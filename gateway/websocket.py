@@ -11,19 +11,32 @@ from typing import Any
 from aiohttp import WSMsgType, web
 
 from gateway.browser import BrowserSession
+from gateway.downlink import DownlinkWatch
 from gateway.playout import Playout
-from gateway.protocol import FRAME_HEADER, close_code, close_reason, error_message, parse_uplink_frame
+from gateway.protocol import (
+    FRAME_HEADER,
+    close_code,
+    close_reason,
+    error_message,
+    parse_uplink_frame,
+)
 from gateway.session import ReplyFrame
 from voicemesh.errors import RequestError, invalid
 
 START_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 5.0  # for the close handshake; a page that is not reading never answers, and its socket is cut
 
 
 class WebSocketTransport:
-    """One page's WebSocket: events are sent as they come, reply frames as the playout lets them go."""
+    """One page's WebSocket: events are sent as they come, reply frames as the playout lets them go.
 
-    def __init__(self, ws: web.WebSocketResponse, playout: Playout[ReplyFrame]) -> None:
+    A send waits while the socket's buffers are full (aiohttp drains past 64 KB), so a page that stops reading holds
+    them there, and `downlink` notices: nothing piles up in the gateway but those buffers.
+    """
+
+    def __init__(self, ws: web.WebSocketResponse, playout: Playout[ReplyFrame], downlink: DownlinkWatch) -> None:
         self.ws = ws
+        self.downlink = downlink
         self._player = playout.start(self._send_audio)
 
     async def _send_audio(self, frame: ReplyFrame, sent_us: int) -> None:
@@ -36,7 +49,8 @@ class WebSocketTransport:
     async def _send(self, data: str | bytes) -> None:
         if self.ws.closed:
             return
-        with contextlib.suppress(ConnectionError):  # the page went away; the reader sees it and ends the session
+        # ConnectionError: the page went away; the reader sees it and ends the session.
+        with contextlib.suppress(ConnectionError), self.downlink.sending():
             if isinstance(data, bytes):
                 await self.ws.send_bytes(data)
             else:
@@ -45,7 +59,9 @@ class WebSocketTransport:
     async def close(self, code: int, reason: str) -> None:
         self._player.cancel()
         await asyncio.gather(self._player, return_exceptions=True)
-        await self.ws.close(code=code, message=close_reason(reason))
+        # On a timeout aiohttp cuts the connection (close code 1006 on the page's side, if it ever reads again).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.ws.close(code=code, message=close_reason(reason)), CLOSE_TIMEOUT_S)
 
 
 async def start_message(ws: web.WebSocketResponse) -> dict[str, Any]:
@@ -81,6 +97,9 @@ async def read_websocket(ws: web.WebSocketResponse, browser: BrowserSession) -> 
 
 
 async def refuse_websocket(ws: web.WebSocketResponse, error: RequestError) -> None:
-    """Refuse before any session exists: the error event, then the close with its code."""
-    await ws.send_str(json.dumps(error_message(error)))
-    await ws.close(code=close_code(error), message=close_reason(error.message))
+    """Refuse before any session exists: the error event, then the close with its code (1001 from a gateway that is
+    shutting down: the page may start again, on another replica)."""
+    code = close_code(error)
+    with contextlib.suppress(ConnectionError):  # the page has gone already (it closed instead of starting)
+        await ws.send_str(json.dumps(error_message(error)))
+        await ws.close(code=code, message=close_reason(error.message))

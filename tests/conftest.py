@@ -6,6 +6,7 @@ import asyncio
 import functools
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -84,5 +85,18 @@ def services() -> dict[str, str]:
     try:
         asyncio.run(mesh.wait(timeout_s=240))
         yield {name: process.target for name, process in mesh.processes.items()}
+    finally:
+        mesh.stop_all()
+
+
+@pytest.fixture(scope="session")
+def replicas() -> Iterator[Mesh]:
+    """Two replicas of each service (asr-a, asr-b, llm-a, ...), for tests that kill or stop one of them."""
+    from bench.chaos.faults import two_replicas
+
+    mesh = two_replicas()
+    try:
+        asyncio.run(mesh.wait(timeout_s=300))
+        yield mesh
     finally:
         mesh.stop_all()

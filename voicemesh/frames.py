@@ -13,6 +13,11 @@ from voicemesh.v1 import audio_pb2
 MAX_FRAME_MS = 1000
 
 
+def encoding_name(encoding: int) -> str:
+    """The AudioEncoding's name, or its number for one the proto does not define (a client may send any)."""
+    return audio_pb2.AudioEncoding.Name(encoding) if encoding in audio_pb2.AudioEncoding.values() else str(encoding)
+
+
 class FrameChecker:
     """Validates the PCM16 frames of one stream; raises RequestError naming the field and what is allowed.
 
@@ -32,8 +37,9 @@ class FrameChecker:
 
     def check(self, frame: audio_pb2.AudioFrame) -> None:
         if frame.encoding != audio_pb2.AUDIO_ENCODING_PCM16LE:
-            name = audio_pb2.AudioEncoding.Name(frame.encoding) if frame.encoding in (0, 1, 2) else frame.encoding
-            raise invalid(f"frame seq={frame.seq}: encoding={name} unsupported; send AUDIO_ENCODING_PCM16LE")
+            raise invalid(
+                f"frame seq={frame.seq}: encoding={encoding_name(frame.encoding)} unsupported; send AUDIO_ENCODING_PCM16LE"
+            )
         if frame.sample_rate_hz not in (0, self.sample_rate_hz):
             raise invalid(
                 f"frame seq={frame.seq}: sample_rate_hz={frame.sample_rate_hz} differs from the configured "

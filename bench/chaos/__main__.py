@@ -79,7 +79,7 @@ def totals(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--kinds", default=",".join(KINDS))
@@ -96,8 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.sessions, args.utterances, args.soak_s, args.fuzz_examples = 2, 2, 0.0, 20
         args.faults = QUICK_FAULTS
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
-    print(json.dumps(asyncio.run(run(args)), indent=2))
+    print(json.dumps(asyncio.run(run(parse(argv))), indent=2))
 
 
 if __name__ == "__main__":

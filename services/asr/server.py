@@ -22,7 +22,7 @@ from voicemesh.endpointing import EndpointingPolicy, policy_from
 from voicemesh.errors import RequestError, check_session_id, invalid, precondition
 from voicemesh.frames import FrameChecker
 from voicemesh.limits import INPUT_RATES
-from voicemesh.serving import Server, merge_reader, stream_handler
+from voicemesh.serving import Draining, OpenCalls, Server, merge_reader, stream_handler
 from voicemesh.v1 import asr_pb2, asr_pb2_grpc
 from voicemesh.workers import WorkerPool
 
@@ -70,12 +70,48 @@ def validate_config(message: asr_pb2.RecognitionConfig, capabilities: Transcribe
     return policy_from(message.endpointing)
 
 
+class RecognitionCall:
+    """One StreamingRecognize call as the drain sees it: its events, the finals it owes, and its end."""
+
+    def __init__(self) -> None:
+        self.events: asyncio.Queue[asr_pb2.RecognizeEvent | BaseException | None] = asyncio.Queue()
+        self.stream: RecognitionStream | None = None
+        self.input_ended = False  # the client closed its side: the call ends by itself once its finals are out
+        self._finals = 0
+        self._owed: int | None = None  # finals owed when the drain began
+        self._final_sent = asyncio.Event()
+
+    def emit(self, event: asr_pb2.RecognizeEvent) -> None:
+        if event.WhichOneof("event") == "final":
+            self._finals += 1
+            self._final_sent.set()
+        self.events.put_nowait(event)
+
+    async def wind_down(self) -> None:
+        """Return once each turn begun so far has had its final: the utterance in flight (speech still coming in, or
+        its final decode pending) is finished; between turns, at once. Turns begun later are not waited for."""
+        if self.stream is None:
+            return
+        self._owed = self.stream.turn_index + (1 if self.stream.in_turn else 0)  # one final per committed turn
+        while self._finals < self._owed:
+            self._final_sent.clear()
+            await self._final_sent.wait()
+
+    def end(self) -> None:
+        """UNAVAILABLE after the events already queued, so the client reconnects elsewhere; unless the client has
+        closed its side and has every final it is owed: that call is ending by itself, with OK."""
+        if self.input_ended and self._owed is not None and self._finals >= self._owed:
+            return
+        self.events.put_nowait(Draining())
+
+
 class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
     """Adapts RecognitionStream to the proto; one shared model and worker pool for all streams."""
 
     def __init__(self, settings: AsrSettings) -> None:
         self.settings = settings
         self.limit = StreamLimit(settings.max_streams, socket.gethostname())
+        self.calls = OpenCalls()
         self.transcriber: Transcriber | None = None
         self.pool = WorkerPool(settings.workers, "asr-decode")
         self.vad_session = None
@@ -128,17 +164,18 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
         if first.WhichOneof("request") != "config":
             raise precondition("the first message must be a RecognitionConfig; got an audio frame")
         policy = validate_config(first.config, self.transcriber.capabilities)
-        events: asyncio.Queue[asr_pb2.RecognizeEvent | BaseException | None] = asyncio.Queue()
+        call = RecognitionCall()
         stream = RecognitionStream(
             first.config,
             policy,
             StreamingVad(self.vad_session),
             self.transcriber,
             self.pool,
-            events.put_nowait,
+            call.emit,
             self.scorer,
-            fail=events.put_nowait,  # ends the call with INTERNAL; the gateway reports it and reconnects
+            fail=call.events.put_nowait,  # ends the call with INTERNAL; the gateway reports it and reconnects
         )
+        call.stream = stream
         checker = FrameChecker(first.config.sample_rate_hz)
         log.info("stream opened", extra={"session_id": first.config.session_id, "rate_hz": first.config.sample_rate_hz})
 
@@ -148,13 +185,15 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
                     raise precondition("a second RecognitionConfig was sent; send it once, as the first message")
                 checker.check(request.frame)
                 stream.push_frame(request.frame)
+            call.input_ended = True
             stream.finish_input()
             await stream.drain()
-            events.put_nowait(None)
+            call.events.put_nowait(None)
 
         try:
-            async for event in merge_reader(read(), events):
-                yield event
+            with self.calls.hold(call):
+                async for event in merge_reader(read(), call.events):
+                    yield event
         finally:
             stream.close()
             log.info("stream closed", extra={"session_id": first.config.session_id, "frames": checker.frames})
@@ -171,6 +210,7 @@ def build_server(settings: AsrSettings) -> Server:
         [asr_pb2.DESCRIPTOR.services_by_name["Recognizer"].full_name],
         lambda server: asr_pb2_grpc.add_RecognizerServicer_to_server(servicer, server),
         load,
+        drain=servicer.calls.drain,
     )
 
 

@@ -17,7 +17,7 @@ from voicemesh import config, serving, telemetry
 from voicemesh.admission import QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.limits import MAX_TOKENS
-from voicemesh.serving import Server, stream_handler
+from voicemesh.serving import OpenCalls, Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -145,6 +145,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         self.ready = False
         self.replica = settings.replica or socket.gethostname()
         self.admission = QueueAdmission(engine.capabilities.max_concurrency, settings.max_queue_wait_ms, self.replica)
+        self.calls = OpenCalls()  # a drain lets the replies in flight finish and refuses new ones
 
     @stream_handler
     async def Generate(
@@ -156,7 +157,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
         generation = to_request(request)
         parent = telemetry.context_from(context.invocation_metadata())
-        with self.admission.admit():
+        with self.calls.hold(), self.admission.admit():
             telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
             # Not the current span: this generator may be closed from another task's context (the caller gave up),
             # and detaching a context attached elsewhere is an error. Child spans name it as their parent instead.
@@ -236,6 +237,7 @@ def build_server(settings: LlmSettings) -> Server:
         lambda server: llm_pb2_grpc.add_GeneratorServicer_to_server(servicer, server),
         load,
         unload=engine.close,
+        drain=servicer.calls.drain,
     )
 
 

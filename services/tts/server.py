@@ -21,8 +21,9 @@ from voicemesh import config, serving, telemetry
 from voicemesh.admission import StreamLimit
 from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range, precondition
+from voicemesh.frames import encoding_name
 from voicemesh.limits import LOOKAHEAD_WORDS, OUTPUT_RATES
-from voicemesh.serving import Server, merge_reader, stream_handler
+from voicemesh.serving import Draining, OpenCalls, Server, merge_reader, stream_handler
 from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
 from voicemesh.workers import WorkerPool
 
@@ -67,7 +68,10 @@ class _Utterance:
 
 
 class SynthesisStream:
-    """One StreamingSynthesize call: text in, framed audio events out through `events`."""
+    """One StreamingSynthesize call: text in, framed audio events out through `events`.
+
+    Drained (`wind_down`), it speaks to their `done` the utterances it has been given text for and starts no other.
+    """
 
     def __init__(
         self,
@@ -91,11 +95,19 @@ class SynthesisStream:
         self._closed_ids: set[int] = set()
         self._cancelled: set[int] = set()
         self._seq = 0
+        self._draining = False
+        self._not_started: set[int] = set()  # utterances first seen during the drain: left to another replica
+        self._settled = asyncio.Event()  # an utterance was done or cancelled
+        self._input_ended = False
 
     def handle(self, request: tts_pb2.SynthesizeRequest) -> None:
         kind = request.WhichOneof("request")
         if kind == "config" or kind is None:
             raise precondition("a second SynthesisConfig was sent; send it once, as the first message")
+        if self._draining and kind in ("text", "flush"):
+            uid = request.text.utterance_id if kind == "text" else request.flush.utterance_id
+            if self._is_new(uid):
+                return
         if kind == "text":
             uid, text = request.text.utterance_id, request.text.text
             if not text:
@@ -131,6 +143,16 @@ class SynthesisStream:
                 cancelled.span.set_attribute("cancelled", True)
                 cancelled.span.end()
             self.events.put_nowait(tts_pb2.SynthesizeEvent(cancelled=tts_pb2.UtteranceCancelled(utterance_id=uid)))
+            self._settled.set()
+
+    def _is_new(self, uid: int) -> bool:
+        """Whether `uid` was not begun before the drain (logged once): its text is left for another replica."""
+        if uid in self._utterances or uid in self._closed_ids:
+            return False
+        if uid not in self._not_started:
+            self._not_started.add(uid)
+            log.info("utterance not started: draining", extra={"session_id": self.cfg.session_id, "utterance": uid})
+        return True
 
     def _open(self, uid: int) -> _Utterance:
         if uid in self._closed_ids:
@@ -157,6 +179,7 @@ class SynthesisStream:
                 self.events.put_nowait(
                     tts_pb2.SynthesizeEvent(done=tts_pb2.UtteranceDone(utterance_id=uid, audio_ms=audio_ms))
                 )
+                self._settled.set()
                 continue
             submitted_ns = time.monotonic_ns()
             timed = await self._pool.run(self._render, chunk)
@@ -211,7 +234,22 @@ class SynthesisStream:
             self.events.put_nowait(error)
 
     def end_input(self) -> None:
+        self._input_ended = True
         self._work.put_nowait((-1, None, 0))
+
+    async def wind_down(self) -> None:
+        """Start no new utterance; return once each one given text so far is done (or cancelled)."""
+        self._draining = True
+        while self._utterances:
+            self._settled.clear()
+            await self._settled.wait()
+
+    def end(self) -> None:
+        """UNAVAILABLE after the events already queued, so the client reconnects elsewhere; unless the client has
+        closed its side and every utterance is done: that call is ending by itself, with OK."""
+        if self._input_ended and not self._utterances:
+            return
+        self.events.put_nowait(Draining())
 
     def is_live(self, event: tts_pb2.SynthesizeEvent) -> bool:
         """Frames of a cancelled utterance still queued are dropped on the way out."""
@@ -227,7 +265,7 @@ def validate_config(cfg: tts_pb2.SynthesisConfig, engine: Synthesizer) -> Voice:
         raise invalid(str(error)) from error
     OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
     if cfg.encoding != audio_pb2.AUDIO_ENCODING_PCM16LE:
-        raise invalid(f"encoding={audio_pb2.AudioEncoding.Name(cfg.encoding)} unsupported; send AUDIO_ENCODING_PCM16LE")
+        raise invalid(f"encoding={encoding_name(cfg.encoding)} unsupported; send AUDIO_ENCODING_PCM16LE")
     if cfg.chunking not in POLICIES:
         raise invalid(f"chunking={cfg.chunking} unknown; send CHUNKING_POLICY_SENTENCE, _WORDS or _WHOLE")
     LOOKAHEAD_WORDS.resolve(cfg.lookahead_words, "lookahead_words")
@@ -238,6 +276,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
     def __init__(self, settings: TtsSettings) -> None:
         self.settings = settings
         self.limit = StreamLimit(settings.max_streams, socket.gethostname())
+        self.calls = OpenCalls()
         self.engine: Synthesizer | None = None
         self.pool = WorkerPool(settings.workers, "tts-synth")
 
@@ -285,9 +324,10 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
             stream.events.put_nowait(None)
 
         try:
-            async for event in merge_reader(read(), stream.events):
-                if stream.is_live(event):
-                    yield event
+            with self.calls.hold(stream):
+                async for event in merge_reader(read(), stream.events):
+                    if stream.is_live(event):
+                        yield event
         finally:
             synthesizer.cancel()
             log.info("stream closed", extra={"session_id": first.config.session_id})
@@ -304,6 +344,7 @@ def build_server(settings: TtsSettings) -> Server:
         [tts_pb2.DESCRIPTOR.services_by_name["Synthesizer"].full_name],
         lambda server: tts_pb2_grpc.add_SynthesizerServicer_to_server(servicer, server),
         load,
+        drain=servicer.calls.drain,
     )
 
 

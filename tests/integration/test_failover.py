@@ -10,13 +10,13 @@ SIGSTOPped mid-turn, and the turn still completes, whole, with no frame lost.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
 
-from bench.chaos.faults import generating, mid_utterance, replica_of, speaking, start_gateway, two_replicas
+from bench.chaos.faults import generating, mid_utterance, replica_of, speaking, start_gateway
 from gateway.server import GatewayServer
 from gateway.session import Session
 from tests.conftest import TRANSCRIPTS, load_clip, max_wer
@@ -32,17 +32,6 @@ TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
 )
-
-
-@pytest.fixture(scope="module")
-def replicas() -> Iterator[Mesh]:
-    """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b: real services on loopback."""
-    mesh = two_replicas()
-    try:
-        asyncio.run(mesh.wait(timeout_s=300))
-        yield mesh
-    finally:
-        mesh.stop_all()
 
 
 @dataclass

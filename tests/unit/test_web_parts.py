@@ -10,9 +10,10 @@ import grpc
 import numpy as np
 import pytest
 
+from gateway.downlink import DownlinkWatch
 from gateway.origins import OriginPolicy
 from gateway.playout import Playout
-from gateway.protocol import FRAME_HEADER, event_message, parse_uplink_frame
+from gateway.protocol import CLOSE_REASON_BYTES, FRAME_HEADER, close_reason, event_message, parse_uplink_frame
 from gateway.session import ReplyFrame
 from gateway.settings import GatewaySettings
 from gateway.webrtc import ReplyTrack, WebRtcOptions, parse_ice_servers
@@ -32,6 +33,23 @@ def test_origin_policy_allows_its_own_page_the_configured_ones_and_non_browsers(
     assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
     assert "https://evil.example" in refused.value.message and "--allowed-origins" in refused.value.message
     OriginPolicy("*").check("https://anyone.example", "localhost:8080")
+
+
+@pytest.mark.parametrize("origin", ["http://[::1", "null", "", "not a url"])
+def test_an_origin_that_is_not_a_url_is_refused_not_an_error(origin: str) -> None:
+    # Found by bench/chaos/fuzz.py: "http://[::1" made urlsplit raise, and /api/offer answered 500.
+    with pytest.raises(RequestError) as refused:
+        OriginPolicy("").check(origin, "")
+    assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_close_reason_is_cut_at_a_character_boundary() -> None:
+    # Found by bench/chaos/fuzz.py: a refusal quoting non-ASCII input was cut inside a character, and the page's
+    # WebSocket failed with 1007 (invalid UTF-8) instead of reading the reason.
+    for text in ("é" * 100, "x" + "\U0001f600" * 40, "ascii " * 30):
+        reason = close_reason(text)
+        assert len(reason) <= CLOSE_REASON_BYTES and text.startswith(reason.decode())
+        assert len(reason) > CLOSE_REASON_BYTES - 4
 
 
 def test_an_uplink_frame_must_be_a_header_and_20_ms_of_audio() -> None:
@@ -86,7 +104,7 @@ async def test_the_websocket_sends_events_at_once_and_audio_from_the_playout_and
     played: list[int] = []
     # A pace far slower than the test: the frame due now and the 5-frame lead leave at once, then nothing more.
     playout: Playout[ReplyFrame] = Playout(lambda frame, sent_us: played.append(frame.seq), 30.0, 5)
-    transport = WebSocketTransport(ws, playout)
+    transport = WebSocketTransport(ws, playout, DownlinkWatch())
     for index in range(12):
         playout.push(reply_frame(index, turn_index=3))
     while len(ws.sent) < 6:

@@ -505,6 +505,8 @@ true
 {{- else if eq .component "gateway" }}
 - name: {{ $prefix }}HTTP_PORT
   value: {{ $c.httpPort | quote }}
+- name: {{ $prefix }}MAX_SESSION_S
+  value: {{ $c.maxSessionSeconds | quote }}
 {{- range $backend := splitList " " (include "voicemesh.backends" .root) }}
 - name: {{ $prefix }}{{ upper $backend }}_TARGET
   value: {{ include "voicemesh.backendTarget" (dict "root" $.root "component" $backend) | quote }}
