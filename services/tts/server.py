@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import socket
@@ -32,6 +33,8 @@ TRACER = telemetry.tracer(__name__)
 
 MAX_DELTA_BYTES = 4096
 MAX_UTTERANCE_BYTES = 64 * 1024
+MAX_OPEN_UTTERANCES = 16  # begun and not yet flushed or cancelled, per stream (the gateway has one or two)
+REMEMBERED_IDS = 1024  # flushed or cancelled utterance ids a stream remembers, to refuse their reuse
 POLICIES = {
     tts_pb2.CHUNKING_POLICY_UNSPECIFIED: Policy.WORDS,
     tts_pb2.CHUNKING_POLICY_WORDS: Policy.WORDS,
@@ -67,6 +70,26 @@ class _Utterance:
     flushed: bool = False
 
 
+class RecentIds:
+    """The last `capacity` ids added: a set whose size stays bounded however long its stream lives."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._ids: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def add(self, uid: int) -> None:
+        self._ids[uid] = None
+        self._ids.move_to_end(uid)
+        while len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class SynthesisStream:
     """One StreamingSynthesize call: text in, framed audio events out through `events`.
 
@@ -92,8 +115,8 @@ class SynthesisStream:
         self.events: asyncio.Queue[tts_pb2.SynthesizeEvent | BaseException | None] = asyncio.Queue()
         self._work: asyncio.Queue[tuple[int, str | None, int]] = asyncio.Queue()  # (utterance, chunk|None=done, t)
         self._utterances: dict[int, _Utterance] = {}
-        self._closed_ids: set[int] = set()
-        self._cancelled: set[int] = set()
+        self._closed_ids = RecentIds(REMEMBERED_IDS)
+        self._cancelled = RecentIds(REMEMBERED_IDS)
         self._seq = 0
         self._draining = False
         self._not_started: set[int] = set()  # utterances first seen during the drain: left to another replica
@@ -158,6 +181,12 @@ class SynthesisStream:
         if uid in self._closed_ids:
             raise precondition(f"utterance {uid} was already flushed or cancelled; use a new utterance_id")
         if uid not in self._utterances:
+            if len(self._utterances) >= MAX_OPEN_UTTERANCES:
+                raise RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{MAX_OPEN_UTTERANCES} utterances are open on this stream; flush or cancel one before utterance "
+                    f"{uid}",
+                )
             self._utterances[uid] = _Utterance(Chunker(self.policy, self.lookahead))
         return self._utterances[uid]
 

@@ -17,7 +17,7 @@ import pytest
 from services.asr.engine import TranscriberCapabilities
 from services.asr.server import validate_config as validate_recognition
 from services.tts.engine import SynthesizerCapabilities, Voice
-from services.tts.server import SynthesisStream
+from services.tts.server import MAX_OPEN_UTTERANCES, REMEMBERED_IDS, SynthesisStream
 from services.tts.server import validate_config as validate_synthesis
 from voicemesh.errors import RequestError
 from voicemesh.limits import LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
@@ -129,3 +129,18 @@ async def test_a_synthesis_that_raises_ends_the_stream_with_the_error_instead_of
     stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text="one two ")))
     error = await asyncio.wait_for(stream.events.get(), 10)
     assert isinstance(error, RuntimeError) and "voice model exploded" in str(error)
+
+
+def test_a_tts_stream_bounds_its_open_utterances_and_the_ids_it_remembers() -> None:
+    engine = FakeToneSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"))
+    for uid in range(MAX_OPEN_UTTERANCES):
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=uid, text="never flushed")))
+    with pytest.raises(RequestError) as refused:
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=99, text="one more")))
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "flush or cancel one" in refused.value.message
+    for uid in range(REMEMBERED_IDS + 100):  # a long conversation: cancelled ids stay bounded
+        stream.handle(tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=1000 + uid)))
+    assert len(stream._cancelled) == len(stream._closed_ids) == REMEMBERED_IDS
+    assert 1000 + REMEMBERED_IDS + 99 in stream._cancelled and 1000 not in stream._cancelled
