@@ -41,7 +41,11 @@ WATCH_EVERY_S = 0.1  # how often a watched call's liveness is checked while it i
 READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
 LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
 LLM_STALL_S = 1.0  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
-LLM_CALL_DEADLINE_S = 60.0  # the longest reply (512 tokens) takes ~15 s on 2 cores
+LLM_CALL_DEADLINE_S = 60.0
+SATURATED_RETRY_S = (
+    0.25,
+    1.0,
+)  # every LLM replica refused as full: the next round after this (doubling)  # the longest reply (512 tokens) takes ~15 s on 2 cores
 
 
 def replica_failed(error: grpc.aio.AioRpcError) -> bool:
@@ -249,47 +253,59 @@ class Backends:
     ) -> AsyncGenerator[llm_pb2.GenerateResponse, None]:
         """Stream the reply from the session's replica, failing over down its ranking.
 
-        A replica that refuses, fails, or sends nothing for `first_token_timeout_s` (then `stall_s` between
-        tokens) is marked suspect and the call goes to the next one. After text has streamed, the next replica
-        continues the reply from it (`reply_prefix`), so no word is repeated. `metadata` carries the turn's W3C
+        A replica that fails, or sends nothing for `first_token_timeout_s` (then `stall_s` between tokens), is
+        marked suspect and the call goes to the next one; one that refuses as full is skipped, and when all are
+        full the round is tried again shortly, within `first_token_timeout_s`. After text has streamed, the next
+        replica continues the reply from it (`reply_prefix`), so no word is repeated. `metadata` carries the turn's W3C
         trace context, so the replica's spans join the turn's trace.
         """
-        last_error: grpc.aio.AioRpcError | None = None
         said: list[str] = []
-        for target in self.llm_order(request.session_id):
-            attempt = request
-            if said:
-                attempt = llm_pb2.GenerateRequest()
-                attempt.CopyFrom(request)
-                attempt.reply_prefix = "".join(said)
-                attempt.max_tokens = max(1, (request.max_tokens or MAX_TOKENS.default) - len(said))
-            call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(
-                attempt, metadata=self.metadata(metadata), timeout=LLM_CALL_DEADLINE_S
-            )
-            silence = Silence("LLM", first_token_timeout_s, stall_s)
-            try:
-                async for response in watched(call, silence.problem):
-                    silence.heard()
-                    if response.text_delta:
-                        said.append(response.text_delta)
-                    yield response
-                return
-            except grpc.aio.AioRpcError as error:
-                if not replica_failed(error):
-                    raise
-                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.mark_down("llm", target)  # a full replica is healthy: only skipped for this call
-                telemetry.FAILOVERS.labels("llm").inc()
-                log.info(
-                    "llm replica failed; trying the next",
-                    extra={"target": target, "code": error.code().name, "continuing": bool(said)},
+        started = time.monotonic()
+        wait_s = SATURATED_RETRY_S[0]
+        while True:
+            last_error: grpc.aio.AioRpcError | None = None
+            saturated = False
+            for target in self.llm_order(request.session_id):
+                attempt = request
+                if said:
+                    attempt = llm_pb2.GenerateRequest()
+                    attempt.CopyFrom(request)
+                    attempt.reply_prefix = "".join(said)
+                    attempt.max_tokens = max(1, (request.max_tokens or MAX_TOKENS.default) - len(said))
+                call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(
+                    attempt, metadata=self.metadata(metadata), timeout=LLM_CALL_DEADLINE_S
                 )
-                last_error = error
-            finally:
-                call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
-        if last_error is not None:
-            raise last_error
-        raise unavailable("no LLM replica is known (its replica set is empty)")
+                silence = Silence("LLM", first_token_timeout_s, stall_s)
+                try:
+                    async for response in watched(call, silence.problem):
+                        silence.heard()
+                        if response.text_delta:
+                            said.append(response.text_delta)
+                        yield response
+                    return
+                except grpc.aio.AioRpcError as error:
+                    if not replica_failed(error):
+                        raise
+                    if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        saturated = True  # a full replica is healthy: only skipped for this round
+                    else:
+                        self.mark_down("llm", target)
+                        telemetry.FAILOVERS.labels("llm").inc()
+                    log.info(
+                        "llm replica failed; trying the next",
+                        extra={"target": target, "code": error.code().name, "continuing": bool(said)},
+                    )
+                    last_error = error
+                finally:
+                    call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
+            if last_error is None:
+                raise unavailable("no LLM replica is known (its replica set is empty)")
+            # Every replica is full (one of them down, say, and the rest carrying its sessions): wait for a slot
+            # rather than lose the turn, within the first-token limit.
+            if not saturated or time.monotonic() - started + wait_s > first_token_timeout_s:
+                raise last_error
+            await asyncio.sleep(wait_s)
+            wait_s = min(wait_s * 2, SATURATED_RETRY_S[1])
 
     async def close(self) -> None:
         if self._maintenance is not None:

@@ -62,6 +62,10 @@ async def test_sticky_sessions_admission_and_failover(services: dict[str, str]) 
         mesh.kill("llm-b")
         assert await served_by(gateway_one, request(on_b[1])) == "llm-a"
         assert await served_by(gateway_one, request(on_a[1])) == "llm-a"
+        # Full everywhere (B dead, A's one slot taken, its budget 1 ms): the overflow waits for A's slot and is
+        # served, instead of failing with RESOURCE_EXHAUSTED.
+        crowd = await asyncio.gather(*(served_by(gateway_one, request(s, max_tokens=16)) for s in on_a[1:4]))
+        assert crowd == ["llm-a"] * 3
         await gateway_one.close()
         await gateway_two.close()
     finally:
