@@ -77,6 +77,7 @@ def totals(results: list[dict[str, Any]]) -> dict[str, Any]:
         "input_frames_unacknowledged": sum(r["input_frames_unacknowledged"] for r in results),
         "recovery_ms": faults.summary([float(v) for v in recovery]),
         "recovery_excess_ms": faults.summary([float(v) for r in results for v in r["recovery_excess_values"]]),
+        "reply_gap_ms": faults.summary([float(v) for r in results for v in r["reply_gap_ms"]["values"]]),
     }
 
 

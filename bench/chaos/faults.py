@@ -9,6 +9,8 @@ numbered). Figures per fault:
 - recovery: for each conversation, from the fault (or the end of the user's speech, if later) to the next reply
   audio it heard; and that less the conversations' V2V p50 before the fault (what the fault itself cost, apart
   from the load: on a 2-core box four conversations take ~2 s of V2V with no fault at all);
+- for each reply under way when the fault struck, the longest silence inside it (frames arrive every 20 ms; the
+  client's buffer holds 100 ms), since for those the next audio heard comes from what was buffered;
 - V2V p50/p99 of turns before, during (the 10 s after) and after the fault.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import resource
@@ -74,6 +77,7 @@ class FaultReport:
     input_frames_unacknowledged: int = 0
     recovery_ms: list[float] = field(default_factory=list)
     recovery_excess_ms: list[float] = field(default_factory=list)
+    reply_gap_ms: list[float] = field(default_factory=list)  # the longest silence inside each reply the fault hit
     v2v_ms: dict[str, dict[str, float | int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     lost: list[dict[str, Any]] = field(default_factory=list)  # each conversation that lost a turn: what it heard
@@ -283,12 +287,17 @@ def account(report: FaultReport, conversations: list[Conversation], fault_us: in
                 }
             )
         frames: dict[int, list[int]] = {}
+        received: dict[int, list[int]] = {}
         heard_after: list[int] = []
         for event in conversation.events:
             if isinstance(event, ReplyAudio):
                 frames.setdefault(event.turn_index, []).append(event.seq)
+                received.setdefault(event.turn_index, []).append(event.received_us)
                 if event.received_us > fault_us:
                     heard_after.append(event.received_us)
+        for times in received.values():
+            if times[0] <= fault_us <= times[-1]:  # a reply under way when the fault struck
+                report.reply_gap_ms.append(max(b - a for a, b in itertools.pairwise(times)) / 1000)
         for seqs in frames.values():
             report.reply_frames += len(seqs)
             report.reply_frames_lost += (max(seqs) + 1 - len(set(seqs))) + (len(seqs) - len(set(seqs)))
@@ -411,6 +420,7 @@ def as_json(report: FaultReport | SoakReport) -> dict[str, Any]:
         data["recovery_ms"] = summary(report.recovery_ms) | {"values": [round(v) for v in report.recovery_ms]}
         data["recovery_excess_ms"] = summary(report.recovery_excess_ms)
         data["recovery_excess_values"] = [round(v) for v in report.recovery_excess_ms]
+        data["reply_gap_ms"] = summary(report.reply_gap_ms) | {"values": [round(v) for v in report.reply_gap_ms]}
     return data
 
 
