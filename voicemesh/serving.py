@@ -120,7 +120,27 @@ def server_tls(settings: ServerSettings) -> ServerTls | None:
     return ServerTls(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class _Gate(grpc.aio.ServerInterceptor):
+    """Every call but a health check passes `refusal`; one it refuses gets a handler of the call's shape that ends
+    the call with the refusal's status, at the first pause in the caller's messages."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(HEALTH_PREFIX):
+            return handler
+        refused = self.refusal(details)
+        return handler if refused is None else _refusal(handler, *refused)
+
+    def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str, float] | None:
+        """(status, message, quiet seconds before it is sent) for a call to refuse; None lets it through."""
+        raise NotImplementedError
+
+
+class AuthInterceptor(_Gate):
     """Every call but health checks needs a valid credential; a refusal is a bare UNAUTHENTICATED, counted and
     logged with its reason (never the credential)."""
 
@@ -128,41 +148,29 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._authenticator = authenticator
         self._door = door
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(details)
-        if details.method.startswith(HEALTH_PREFIX) or handler is None:
-            return handler
+    def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str, float] | None:
         metadata = {key: value for key, value in details.invocation_metadata or () if isinstance(value, str)}
         try:
             self._authenticator.verify(metadata.get("authorization", ""))
         except Unauthenticated as refused:
             telemetry.UNAUTHENTICATED.labels(self._door).inc()
             log.info("unauthenticated", extra={"rpc": details.method, "reason": str(refused)})
-            return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", quiet_s=REFUSAL_DRAIN_S)
-        return handler
+            return grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", REFUSAL_DRAIN_S
+        return None
 
 
-class DrainInterceptor(grpc.aio.ServerInterceptor):
+class DrainInterceptor(_Gate):
     """Once `refusing` is set (the server drains), every new call but a health check is refused with UNAVAILABLE,
     at the first pause in the caller's messages (within milliseconds), so that it goes elsewhere without waiting."""
 
     def __init__(self) -> None:
         self.refusing = False
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(details)
-        if not self.refusing or handler is None or details.method.startswith(HEALTH_PREFIX):
-            return handler
+    def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str, float] | None:
+        if not self.refusing:
+            return None
         log.info("refused while draining", extra={"rpc": details.method})
-        return _refusal(handler, grpc.StatusCode.UNAVAILABLE, REFUSED_WHILE_DRAINING, quiet_s=REFUSAL_QUIET_S)
+        return grpc.StatusCode.UNAVAILABLE, REFUSED_WHILE_DRAINING, REFUSAL_QUIET_S
 
 
 def _refusal(
