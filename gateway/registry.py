@@ -170,6 +170,7 @@ class SessionRegistry:
             transport=door,
             log_transcripts=self.settings.log_transcripts,
             history_max_chars=self.settings.history_max_chars,
+            history_max_tokens=self.settings.history_max_tokens,
         )
         session.resume_token = resume_token
         self.active[options.session_id] = session

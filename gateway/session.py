@@ -58,14 +58,19 @@ class TtsDown(Exception):
 
 
 def trim_history(history: list[HistoryEntry], max_chars: int) -> None:
-    """Past `max_chars` of text, drop the oldest turns (in place) down to half of it, starting again at a user's
-    utterance. Dropping half at once keeps the prompt's prefix, and so the LLM's prefix cache, the same for many
-    turns, where dropping one turn at a time would change it every turn."""
+    """Past `max_chars` of text, drop the oldest turns (in place) down to half of it. Dropping half at once keeps the
+    prompt's prefix, and so the LLM's prefix cache, the same for many turns, where dropping one turn at a time would
+    change it every turn."""
+    if sum(len(entry.text) for entry in history) > max_chars:
+        drop_oldest(history, max_chars // 2)
+
+
+def drop_oldest(history: list[HistoryEntry], keep_chars: int) -> None:
+    """Drop the oldest turns (in place) until at most `keep_chars` of text remain, starting again at a user's
+    utterance (the latest turn is always kept)."""
     total = sum(len(entry.text) for entry in history)
-    if total <= max_chars:
-        return
     drop = 0
-    while drop < len(history) - 1 and (total > max_chars // 2 or history[drop].role != "user"):
+    while drop < len(history) - 1 and (total > keep_chars or history[drop].role != "user"):
         total -= len(history[drop].text)
         drop += 1
     del history[:drop]
@@ -159,10 +164,12 @@ class Session:
         transport: str = "grpc",
         log_transcripts: bool = False,
         history_max_chars: int = 0,
+        history_max_tokens: int = 0,
     ) -> None:
         self.options = options
         self.log_transcripts = log_transcripts  # what was said, in the turn's log line: personal data
         self.history_max_chars = history_max_chars  # 0 = unbounded
+        self.history_max_tokens = history_max_tokens  # by the LLM's own count of the last turn; 0 = unbounded
         self.resume_token = ""  # the secret that lets this session's owner resume it (set by the registry)
         self.pipeline = options.pipeline
         self.backends = backends
@@ -658,6 +665,9 @@ class Session:
             self.history.append(HistoryEntry("assistant", text, interrupted))
         if self.history_max_chars:
             trim_history(self.history, self.history_max_chars)
+        tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens  # the next prompt, but for its question
+        if self.history_max_tokens and tokens > self.history_max_tokens:
+            drop_oldest(self.history, sum(len(entry.text) for entry in self.history) // 2)
         self._emit_metrics(reply)
         if reply.span is not None:
             reply.span.end()

@@ -24,6 +24,11 @@ class GatewaySettings(config.ServerSettings):
         "dialogue kept per session, in characters (~750 tokens: with a 2000-character system prompt and the reply "
         "it fits the embedded model's 2048-token context); past it the oldest half goes",
     )
+    history_max_tokens: int = config.setting(
+        1280,
+        "dialogue kept per session, in tokens as the LLM counted the last turn's prompt and reply; past it the oldest "
+        "half goes (with the next question and a reply of up to 512 tokens it fits the embedded model's 2048)",
+    )
     http_port: int = config.setting(
         8080, "HTTP port of the browser doors (page, /api/offer, /api/ws); -1 = off; with --port 0 it is 0 too"
     )

@@ -4,6 +4,7 @@ reply is continued, and the bound on events a client does not read."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,7 +12,7 @@ import pytest
 
 from gateway import turn
 from gateway.backends import Silence, watched
-from gateway.session import MAX_PENDING_EVENTS, RETAIN_PREROLL_MS, unsynthesized
+from gateway.session import MAX_PENDING_EVENTS, RETAIN_PREROLL_MS, Session, unsynthesized
 from services.llm.engine import Message
 from services.llm.prompt import CompletionPrompt
 from services.llm.server import to_request
@@ -148,4 +149,37 @@ async def test_a_client_that_reads_no_events_ends_its_session_not_the_gateways_m
     assert "read none" in refusal.message
     session.deliver(conversation_pb2.ConverseEvent())
     assert session.events.empty(), "nothing more is queued for it"
+    await session.close()
+
+
+class FakeCountingBackends(FakeBackends):
+    """The LLM reports its usage as a real one does: 50 tokens of prompt per message, 10 of reply."""
+
+    async def generate(
+        self, request: llm_pb2.GenerateRequest, metadata: object = None
+    ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        yield llm_pb2.GenerateResponse(text_delta="Fine.")
+        usage = llm_pb2.Usage(prompt_tokens=50 * len(request.messages), completion_tokens=10)
+        yield llm_pb2.GenerateResponse(finish_reason=llm_pb2.FINISH_REASON_STOP, usage=usage)
+
+
+async def test_the_history_is_trimmed_to_a_token_budget_by_the_llms_own_count() -> None:
+    backends = FakeCountingBackends()
+    options = new_session(backends).options
+    session = Session(options, backends, [], history_max_tokens=400)  # type: ignore[arg-type]  # a fake's streams
+    await until(lambda: backends.tts_connected and session._asr_queue is not None)
+    lengths = []
+    for turn_index in range(12):
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(final=asr_pb2.Final(text=f"question number {turn_index}"))
+        await until(lambda: session.playout.queued > 0)
+        while session.playout.take() is not None or session.playout.queued:
+            await asyncio.sleep(0.005)
+        await until(lambda: session._current is None)
+        lengths.append(len(session.history))
+    # Each turn's prompt is 100 tokens longer (two more messages); once prompt and reply pass 400, the oldest half
+    # of the history goes. Unbounded, it would hold 24 entries.
+    assert max(lengths) <= 8, lengths
+    assert any(later < earlier for earlier, later in itertools.pairwise(lengths)), lengths
+    assert session.history[0].role == "user" and session.history[-1].text == "Fine."
     await session.close()
