@@ -309,7 +309,9 @@ async def test_a_grpc_client_that_stops_reading_is_cut_off_and_its_session_ends(
         await server.stop(0)
     assert ended.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (ended.value.details() or "").startswith("the client is not reading; nothing sent to it went through in")
-    assert received < 100, "the rest was never sent"
+    # The whole reply is 400+ events (100 text deltas of 1 KB, 300 audio frames); what reached the client is what
+    # fit in the flow-control windows (64 KB each way, ~70-100 events by the mix), and the rest was never sent.
+    assert received < 250, f"the rest was never sent, yet {received} events arrived"
 
 
 async def test_a_page_that_stops_reading_is_closed_saying_so() -> None:
