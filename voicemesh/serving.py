@@ -3,6 +3,7 @@ graceful drain."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import functools
@@ -135,9 +136,9 @@ class _Gate(grpc.aio.ServerInterceptor):
         refused = self.refusal(details)
         return handler if refused is None else _refusal(handler, *refused)
 
+    @abc.abstractmethod
     def refusal(self, details: grpc.HandlerCallDetails) -> tuple[grpc.StatusCode, str, float] | None:
         """(status, message, quiet seconds before it is sent) for a call to refuse; None lets it through."""
-        raise NotImplementedError
 
 
 class AuthInterceptor(_Gate):
