@@ -6,7 +6,9 @@ The set, built from the real clips in ../shared/audio (word times from Whisper):
   truncated  the clip cut at a word boundary ~60% of the way in: incomplete, it should wait;
   variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR.
 Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream with the real
-Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. Clips are split: the thresholds were
+Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. The `llm` policy plays the gateway's
+part too: each endpoint candidate starts a reply on the real Gemma engine, whose P(turn end) goes back to the
+stream as a TurnScore, and the reply runs on, competing for the cores as it would live. Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
 Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
@@ -27,9 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
+from services.asr.server import AsrSettings
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
 from services.asr.whisper_engine import WhisperTranscriber
+from services.llm.engine import GenerationRequest, Message
+from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -42,11 +47,12 @@ SPLICE_MS = (200, 400, 600, 800)
 LONG_PAUSE_CLIPS = {"jfk"}  # natural pauses of ~1.1 s inside the sentence
 TRAILING_S = 2.5
 FRAME_MS = 20
-# name -> (endpointing, scored with the audio model too)
+# name -> (endpointing, scored with the audio model too, scored by the LLM as the gateway does)
 POLICIES = {
-    "fixed_288": (EndpointingPolicy(fixed_hangover=True), False),
-    "text": (EndpointingPolicy(), False),
-    "audio_text": (EndpointingPolicy(), True),
+    "fixed_288": (EndpointingPolicy(fixed_hangover=True), False, False),
+    "text": (EndpointingPolicy(), False, False),
+    "audio_text": (EndpointingPolicy(), True, False),
+    "llm": (EndpointingPolicy(), False, True),
 }
 
 
@@ -95,6 +101,7 @@ class Outcome:
     pause_ms: int
     finals: list[FinalTranscript] = field(default_factory=list)
     pauses: list[PauseScores] = field(default_factory=list)
+    llm_scores: list[tuple[str, float]] = field(default_factory=list)  # (candidate, P(turn end)) per scored pause
 
     @property
     def cut_off(self) -> bool:
@@ -163,6 +170,46 @@ class RecordingScorer(TurnScorer):
         return fused
 
 
+class LlmScorer:
+    """The gateway's part: each endpoint candidate starts a reply from the real LLM engine, which scores the turn
+    end first; the score goes back to the stream, and the reply runs on (its CPU competes, as it would live)."""
+
+    def __init__(self, engine: LlamaCppEngine) -> None:
+        self.engine = engine
+        self.scores: list[tuple[str, float]] = []
+        self._replies: set[asyncio.Task[None]] = set()
+
+    def on_event(self, stream: RecognitionStream, event: asr_pb2.RecognizeEvent) -> None:
+        if event.WhichOneof("event") == "endpoint_candidate":
+            for task in self._replies:
+                task.cancel()  # a newer candidate replaces the speculative reply, as the gateway does
+            task = asyncio.ensure_future(self._reply(stream, event.endpoint_candidate))
+            self._replies.add(task)
+            task.add_done_callback(self._replies.discard)
+
+    async def _reply(self, stream: RecognitionStream, candidate: asr_pb2.EndpointCandidate) -> None:
+        if not candidate.text.strip():
+            stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
+            return
+        request = GenerationRequest(
+            "bench-turns", [Message("user", candidate.text.strip())], max_tokens=24, score_turn_end=True
+        )
+        scored = False
+        async for chunk in self.engine.generate(request):
+            if chunk.turn_end is not None:
+                scored = True
+                self.scores.append((candidate.text, chunk.turn_end))
+                stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, probability=chunk.turn_end))
+            elif not scored:
+                scored = True
+                stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
+
+    async def settle(self) -> None:
+        for task in list(self._replies):
+            task.cancel()
+        await asyncio.gather(*self._replies, return_exceptions=True)
+
+
 async def run_one(
     utterance: Utterance,
     policy: EndpointingPolicy,
@@ -170,10 +217,21 @@ async def run_one(
     transcriber: WhisperTranscriber,
     pool: WorkerPool,
     scorer: RecordingScorer,
+    llm: LlmScorer | None = None,
 ) -> Outcome:
     events: list[asr_pb2.RecognizeEvent] = []
-    config = asr_pb2.RecognitionConfig(session_id="bench", sample_rate_hz=utterance.rate_hz, skip_word_timings=True)
-    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, events.append, scorer)
+    config = asr_pb2.RecognitionConfig(
+        session_id="bench", sample_rate_hz=utterance.rate_hz, skip_word_timings=True, turn_scores=llm is not None
+    )
+
+    def emit(event: asr_pb2.RecognizeEvent) -> None:
+        events.append(event)
+        if llm is not None:
+            llm.on_event(stream, event)
+
+    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, emit, scorer)
+    if llm is not None:
+        llm.scores.clear()
     audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
     frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
     scorer.records.clear()
@@ -183,6 +241,8 @@ async def run_one(
         await asyncio.sleep(max(0.0, start + seq * FRAME_MS / 1000 - loop.time()))
         stream.push_frame(audio_pb2.AudioFrame(data=data, seq=seq, sample_rate_hz=utterance.rate_hz))
     await stream.drain()
+    if llm is not None:
+        await llm.settle()
     outcome = Outcome(
         utterance.name, utterance.clip, SPLIT.get(utterance.clip, "check"), utterance.kind, utterance.pause_ms
     )
@@ -199,6 +259,7 @@ async def run_one(
                 )
             )
     outcome.pauses = list(scorer.records)
+    outcome.llm_scores = list(llm.scores) if llm is not None else []
     return outcome
 
 
@@ -247,7 +308,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
 def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
     """Each signal at each pause that was scored: a pause at the speech end is 'complete', one inside is not."""
     rows: dict[str, dict[str, list[float]]] = {
-        s: {"complete": [], "incomplete": []} for s in ("audio", "text", "fused")
+        s: {"complete": [], "incomplete": []} for s in ("audio", "text", "fused", "llm")
     }
     for outcome in outcomes:
         if outcome.kind == "truncated":
@@ -258,6 +319,10 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
             for signal, value in pause.signals().items():
                 if value is not None:
                     rows[signal][label].append(float(value))
+        for index, (_, probability) in enumerate(outcome.llm_scores):
+            final_pause = index == len(outcome.llm_scores) - 1 and not outcome.cut_off
+            rows["llm"]["complete" if final_pause else "incomplete"].append(probability)
+    rows = {signal: groups for signal, groups in rows.items() if groups["complete"] or groups["incomplete"]}
     report: dict[str, object] = {}
     for signal, groups in rows.items():
         complete, incomplete = groups["complete"], groups["incomplete"]
@@ -273,21 +338,30 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
 
 
 async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | None) -> dict[str, object]:
-    transcriber = WhisperTranscriber(cpu_threads=2)
+    settings = AsrSettings()  # the service's defaults: decodes at once, threads each
+    transcriber = WhisperTranscriber(cpu_threads=settings.cpu_threads, workers=settings.workers)
     vad_session = load_session()
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
-    pool = WorkerPool(1, "bench-asr")
+    pool = WorkerPool(settings.workers, "bench-asr")
+    engine: LlamaCppEngine | None = None
+    if any(POLICIES[p][2] for p in policies):
+        engine = LlamaCppEngine(default_model_path())
+        await engine.start()
+    llm = LlmScorer(engine) if engine is not None else None
     utterances = [u for u in build_set(transcriber, clip_names) if kinds is None or u.kind in kinds]
     results: dict[str, object] = {"utterances": len(utterances)}
     per_policy: dict[str, list[Outcome]] = {p: [] for p in policies}
     for utterance in utterances:  # policies interleaved per utterance: drift in machine load hits both alike
         for name in policies:
-            policy, with_audio = POLICIES[name]
+            policy, with_audio, with_llm = POLICIES[name]
             scorer = scorers[with_audio]
-            per_policy[name].append(await run_one(utterance, policy, vad_session, transcriber, pool, scorer))
+            outcome = await run_one(
+                utterance, policy, vad_session, transcriber, pool, scorer, llm if with_llm else None
+            )
+            per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():
         results[name] = summarize(outcomes)
-        if POLICIES[name][1]:
+        if POLICIES[name][1] or POLICIES[name][2]:
             results[f"signals_{name}"] = signal_quality(outcomes)
     results["per_utterance"] = {
         name: [
@@ -298,6 +372,7 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
                 "dead_air_ms": None if o.dead_air_ms is None else round(o.dead_air_ms, 1),
                 "finals": [asdict(f) for f in o.finals],
                 "pauses": [asdict(p) for p in o.pauses],
+                "llm_scores": [{"candidate": text, "p_turn_end": round(p, 4)} for text, p in o.llm_scores],
             }
             for o in outcomes
         ]
@@ -305,6 +380,8 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
     }
     for scorer in scorers.values():
         scorer.close()
+    if engine is not None:
+        await engine.close()
     return results
 
 

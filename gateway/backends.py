@@ -138,6 +138,9 @@ class Backends:
         self.health_interval_s = health_interval_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._maintenance: asyncio.Task[None] | None = None
+        # The LLM answers score_turn_end (llama.cpp does, vLLM does not): learnt from its replies, so the ASR is
+        # told to wait for a score only when one will come.
+        self.llm_scores_turn_end = True
 
     async def start(self) -> None:
         """Resolve the replica sets once, then keep them fresh and health-checked in the background."""

@@ -126,6 +126,8 @@ class Reply:
     flush_ms: float = 0.0
     synthesized: list[str] = field(default_factory=list)  # chunks whose audio came in whole
     spoken_chunks: list[str] = field(default_factory=list)
+    pause_id: int = 0  # the ASR pause a speculative reply answers (its candidate's); the LLM scores it
+    asr_stream: int = 0  # which of the session's ASR streams that pause id belongs to
     frames_released: int = 0  # handed to the playout
     frames_sent: int = 0  # played out by the transport
     # Metrics
@@ -189,6 +191,7 @@ class Session:
         self._asr_base_ms = 0.0  # session audio time of the current ASR stream's start
         self._asr_streams = 0
         self._asr_in_speech = False
+        self._asr_scores = False  # the current ASR stream waits for the LLM's TurnScores
         # The audio an ASR stream may still need, (end in session audio ms, frame): from the pre-roll of the turn in
         # progress (or the last pre-roll between turns) on. A stream that dies or hangs is replaced by one on
         # another replica, which hears this first, so the utterance in progress is not lost. It also holds the
@@ -327,7 +330,10 @@ class Session:
             skip_word_timings=True,  # the gateway needs no word timings; leaving them out saves 100+ ms
             progress_interval_ms=ASR_PROGRESS_MS,
         )
+        scored = not self.pipeline.endpointing.fixed_hangover and self.pipeline.speculative_start
         while True:
+            # The LLM scores each endpoint candidate as the speculative reply to it starts (when it can).
+            config.turn_scores = self._asr_scores = scored and self.backends.llm_scores_turn_end
             queue: asyncio.Queue[asr_pb2.RecognizeRequest | None] = asyncio.Queue()
             target = ""
             try:
@@ -391,6 +397,8 @@ class Session:
             commands = controller.on_partial(now_ms, event.partial.text)
         elif kind == "endpoint_candidate":
             commands = controller.on_candidate(now_ms, event.endpoint_candidate.text.strip())
+            if not any(isinstance(c, turn.StartReply) for c in commands) or not self.backends.llm_scores_turn_end:
+                self._send_turn_score(event.endpoint_candidate.pause_id, None)  # no LLM scores this pause
         elif kind == "speech_resumed":
             commands = controller.on_speech_resumed(now_ms)
         elif kind == "final":
@@ -458,6 +466,8 @@ class Session:
         reply = Reply(reply_id, user_text, speculative)
         reply.mark("reply_started")
         reply.asr_event = event
+        if speculative and event.WhichOneof("event") == "endpoint_candidate":
+            reply.pause_id, reply.asr_stream = event.endpoint_candidate.pause_id, self._asr_streams
         start_us = event.speech_end_capture_time_us or epoch_us()
         reply.span = TRACER.start_span(
             "turn",
@@ -521,13 +531,24 @@ class Session:
             session_id=self.options.session_id,
             messages=self._messages(reply.user_text),
             max_tokens=self.pipeline.max_tokens,
+            # The LLM says how finished the user's words sound; the ASR waits for the pause accordingly.
+            score_turn_end=bool(reply.pause_id) and not self.pipeline.endpointing.fixed_hangover,
         )
         whole = self.pipeline.buffer_whole_reply
         stream = self.backends.generate(request, telemetry.metadata_for(reply.span))
-        first = True
+        first, scored = True, False
         try:
             async for response in stream:
+                if response.HasField("turn_end"):
+                    self.backends.llm_scores_turn_end = scored = True
+                    self._turn_score(reply, response.turn_end.probability)
+                    continue
                 if first:
+                    if request.score_turn_end and not scored:
+                        self._turn_score(reply, None)  # this LLM does not score: the pause stops waiting
+                        if self.backends.llm_scores_turn_end:
+                            log.info("the LLM does not score turn ends; the ASR stops waiting for its scores")
+                            self.backends.llm_scores_turn_end = False
                     first = False
                     reply.mark("llm_first_delta")
                     reply.metrics.llm_queue_ms = response.queue_ms
@@ -555,11 +576,26 @@ class Session:
             raise
         except grpc.aio.AioRpcError as error:
             await stream.aclose()
+            if request.score_turn_end and not scored:
+                self._turn_score(reply, None)
             self._report("llm", error)
             self._fail(reply)
         except TtsDown:
             await stream.aclose()  # no voice to speak it with: stop generating now
             self._fail(reply)
+
+    def _turn_score(self, reply: Reply, probability: float | None) -> None:
+        """Hand the LLM's P(turn end) back to the ASR stream whose pause it scores (it sets that pause's wait);
+        None: no score will come."""
+        if probability is not None:
+            reply.mark("turn_scored")
+        if reply.asr_stream == self._asr_streams and not reply.cancelled:
+            self._send_turn_score(reply.pause_id, probability)
+
+    def _send_turn_score(self, pause_id: int, probability: float | None) -> None:
+        if self._asr_queue is not None and self._asr_scores:
+            score = asr_pb2.TurnScore(pause_id=pause_id, probability=probability or 0.0, declined=probability is None)
+            self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(turn_score=score))
 
     def _tts_text(self, reply: Reply, text: str) -> None:
         reply.tts_given += text

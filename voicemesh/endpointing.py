@@ -3,6 +3,7 @@ bad session config up front) and by the ASR (which applies it)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from voicemesh.errors import invalid
@@ -24,16 +25,21 @@ class EndpointingPolicy:
     kept the tuning clips' in-sentence pauses whole."""
     min_speech_ms: int = 96
     """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
-    min_hangover_ms: int = 288
-    """The wait after a pause scored complete. Not shorter than the fixed hangover by default: both signals call
-    clause boundaries of read speech complete ("The child almost hurt | the small dog": Smart Turn 0.74, and a
-    full stop from Whisper), so a shorter wait split spk1_snt1 at its natural 230 ms pause, and on this 2-core
-    machine the score itself takes 150-200 ms, so going under 288 ms won a median of only 25 ms of dead air
-    (`python -m bench.turns`). Lower it per session where speakers do not pause mid-sentence."""
+    min_hangover_ms: int = 128
+    """The wait after a pause a language model scored complete (a TurnScore). Scores from the transcript's ending
+    or the audio model never go below `hangover_ms`: both call clause ends of read speech complete ("The child
+    almost hurt | the small dog": Smart Turn 0.74, and a full stop from Whisper), and a shorter wait split
+    spk1_snt1 at its natural 230 ms pause. Gemma's P(turn end) there is 0.004. On a 2-core machine the score
+    comes ~150-250 ms after the speech stops (draft decode, then the LLM's prefill), so that, not this, is the
+    wait in practice."""
     max_hangover_ms: int = 1200
     """The wait after a pause scored incomplete: mid-sentence pauses of real speakers run to 600-800 ms."""
     fixed_hangover: bool = False
     """Commit after exactly `hangover_ms` of silence, without a completeness score (the baseline)."""
+    score_budget_ms: int = 500
+    """How long a pause waits for a language model's score the client said is coming. On a 2-core machine it
+    comes 200-350 ms after the speech stops (the draft decode, then the LLM's prefill), later when the LLM is
+    busy with another session; past the budget the transcript's score and the fixed hangover apply."""
 
     def hangover_for(self, completeness: float | None) -> int:
         """The silence that commits a pause whose completeness score is `completeness` (None: not scored)."""
@@ -52,6 +58,22 @@ INCOMPLETE_AT = 0.55
 that Smart Turn doubts) waits ~820 ms, longer than the 600 ms mid-sentence pauses of the tuning set."""
 
 
+LM_COMPLETE_AT = 0.6
+"""A language model's P(turn end) at or above this takes the short wait. Gemma 3 270M, word by word through
+16 sentences (`tune` half): 12 of 16 finished sentences scored above, 3 of 131 points inside them (clause ends:
+"...this weekend | if it does not rain")."""
+LM_INCOMPLETE_AT = 0.03
+"""At or below this, the long wait: the model sees no end here (most points inside a sentence score < 0.01)."""
+
+
+def lm_completeness(probability: float) -> float:
+    """A language model's P(turn end) on the completeness scale of `hangover_for`: its thresholds map onto
+    COMPLETE_AT and INCOMPLETE_AT, log-interpolated between them (probabilities spread over decades)."""
+    p = min(max(probability, 1e-6), 1.0)
+    position = math.log(p / LM_INCOMPLETE_AT) / math.log(LM_COMPLETE_AT / LM_INCOMPLETE_AT)
+    return min(1.0, max(0.0, INCOMPLETE_AT + position * (COMPLETE_AT - INCOMPLETE_AT)))
+
+
 def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
     """The policy a request asks for (zero fields: defaults); raises INVALID_ARGUMENT naming a bad field."""
     default = EndpointingPolicy()
@@ -60,13 +82,15 @@ def policy_from(message: asr_pb2.EndpointingConfig) -> EndpointingPolicy:
         candidate_silence_ms=message.candidate_silence_ms or default.candidate_silence_ms,
         hangover_ms=message.hangover_ms or default.hangover_ms,
         min_speech_ms=message.min_speech_ms or default.min_speech_ms,
-        min_hangover_ms=message.min_hangover_ms or default.min_hangover_ms,
+        # Unset, it follows a longer candidate_silence_ms (a pause is never committed before it is a candidate).
+        min_hangover_ms=message.min_hangover_ms or max(default.min_hangover_ms, message.candidate_silence_ms),
         max_hangover_ms=message.max_hangover_ms or default.max_hangover_ms,
         fixed_hangover=message.fixed_hangover,
+        score_budget_ms=message.score_budget_ms or default.score_budget_ms,
     )
     if not 0.05 <= policy.vad_threshold <= 0.95:
         raise invalid(f"endpointing.vad_threshold={policy.vad_threshold:g} out of range; send 0.05-0.95")
-    for name in ("candidate_silence_ms", "hangover_ms", "min_hangover_ms", "max_hangover_ms"):
+    for name in ("candidate_silence_ms", "hangover_ms", "min_hangover_ms", "max_hangover_ms", "score_budget_ms"):
         value = getattr(policy, name)
         if not 32 <= value <= 10000:
             raise invalid(f"endpointing.{name}={value} out of range; send 32-10000")
@@ -98,4 +122,5 @@ def to_proto(policy: EndpointingPolicy) -> asr_pb2.EndpointingConfig:
         min_hangover_ms=policy.min_hangover_ms,
         max_hangover_ms=policy.max_hangover_ms,
         fixed_hangover=policy.fixed_hangover,
+        score_budget_ms=policy.score_budget_ms,
     )

@@ -24,11 +24,14 @@ class Endpointer:
 
     Time is counted in audio milliseconds of the stream, so results do not depend on how fast frames arrive. A
     pause commits after `policy.hangover_for(score)` of silence; until its score is in, after the fixed
-    hangover, so a scorer that is slow or fails never holds a turn open.
+    hangover, so a scorer that is slow or fails never holds a turn open. Only a decisive score (a language
+    model's) may shorten the wait below the fixed hangover; the transcript's ending may only lengthen it, since
+    Whisper puts a full stop at many clause ends ("The child almost hurt.").
     """
 
-    def __init__(self, policy: EndpointingPolicy, window_ms: int) -> None:
+    def __init__(self, policy: EndpointingPolicy, window_ms: int, awaits_scores: bool = False) -> None:
         self.policy = policy
+        self.awaits_scores = awaits_scores and not policy.fixed_hangover  # the client scores every pause
         self.window_ms = window_ms
         self.in_turn = False
         self.candidate = False
@@ -41,11 +44,23 @@ class Endpointer:
         self.speech_end_ms = 0
         self.pause_id = 0  # counts pauses; a completeness score names the pause it belongs to
         self.completeness: float | None = None  # of the open pause, once scored
+        self.decisive = False  # the score is a language model's: it may shorten the wait
+        self.awaiting = False  # a language model's score of the open pause is on its way
 
     @property
     def hangover_ms(self) -> int:
         """The silence that commits the open pause, as far as is known now."""
-        return self.policy.hangover_for(self.completeness)
+        scored = self.policy.hangover_for(self.completeness)
+        if self.decisive:
+            return scored
+        return max(scored, self.policy.hangover_ms, self.policy.score_budget_ms if self.awaiting else 0)
+
+    def decline(self, pause_id: int) -> list[Event]:
+        """No language model score will come for pause `pause_id`: stop waiting for one (it may commit at once)."""
+        if pause_id != self.pause_id or not self.in_turn or self._silence_ms == 0:
+            return []
+        self.awaiting = False
+        return self._maybe_commit()
 
     def push(self, probability: float, quiet: bool = False) -> list[Event]:
         """Advance one window; returns the events it caused.
@@ -66,11 +81,14 @@ class Endpointer:
         self._speaking = is_speech
         return self._speech() if is_speech else self._silence()
 
-    def score(self, pause_id: int, completeness: float) -> list[Event]:
-        """The completeness score of pause `pause_id` arrived; it may end the turn at once."""
+    def score(self, pause_id: int, completeness: float, decisive: bool = False) -> list[Event]:
+        """The completeness score of pause `pause_id` arrived; it may end the turn at once. A decisive score
+        replaces any other; one that is not never replaces a decisive one."""
         if pause_id != self.pause_id or not self.in_turn or self._silence_ms == 0:
             return []  # speech resumed or the turn ended meanwhile: the score is stale
-        self.completeness = completeness
+        if self.decisive and not decisive:
+            return []
+        self.completeness, self.decisive = completeness, decisive
         return self._maybe_commit()
 
     def _speech(self) -> list[Event]:
@@ -92,7 +110,7 @@ class Endpointer:
             self._blip_ms += self.window_ms
             return []
         self._silence_ms = self._blip_ms = 0
-        self.completeness = None
+        self.completeness, self.decisive, self.awaiting = None, False, False
         self.speech_end_ms = self.now_ms
         if self.candidate:
             self.candidate = False
@@ -106,7 +124,7 @@ class Endpointer:
         events = []
         if self._silence_ms == 0:
             self.pause_id += 1
-            self.completeness = None
+            self.completeness, self.decisive, self.awaiting = None, False, self.awaits_scores
             events.append(Event.SPEECH_STOPPED)
         self._silence_ms += self._blip_ms + self.window_ms
         self._blip_ms = 0

@@ -17,6 +17,7 @@ from services.asr.stabilizer import LocalAgreement
 from services.asr.vad import SAMPLE_RATE_HZ, WINDOW_MS, WINDOW_SAMPLES, Vad
 from voicemesh import telemetry
 from voicemesh.audio import StreamResampler, pcm16_to_float
+from voicemesh.endpointing import lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Timed, WorkerPool
 
@@ -53,7 +54,7 @@ class RecognitionStream:
         self.partial_interval_ms = config.partial_interval_ms or 200
         self.progress_interval_ms = config.progress_interval_ms  # 0: no Progress events
         self._vad = vad
-        self._endpointer = Endpointer(policy, WINDOW_MS)
+        self._endpointer = Endpointer(policy, WINDOW_MS, awaits_scores=config.turn_scores and scorer is not None)
         self._transcriber = transcriber
         self._pool = pool
         self._emit = emit
@@ -72,6 +73,7 @@ class RecognitionStream:
         self._loudness = Loudness()
         self._scorer = None if policy.fixed_hangover else scorer
         self._score_ms: dict[int, float] = {}  # pause id -> time its completeness score took
+        self._pause_started_ns = 0  # when the open pause's first silent window was seen
         self._last_partial_ms = 0
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
@@ -122,6 +124,7 @@ class RecognitionStream:
             self._last_partial_ms = ep.now_ms
             self._send(asr_pb2.RecognizeEvent(speech_started=asr_pb2.SpeechStarted()))
         elif event is Event.SPEECH_STOPPED:
+            self._pause_started_ns = time.monotonic_ns()
             self._send(asr_pb2.RecognizeEvent(speech_stopped=asr_pb2.SpeechStopped()))
             if not self.config.final_after_end_of_turn:
                 self._start_draft()
@@ -165,11 +168,33 @@ class RecognitionStream:
                 return
             live = endpointer.pause_id == pause_id and endpointer.in_turn
             telemetry.TURN_SCORES.labels("in_time" if live else "late").inc()
-            self._score_ms[pause_id] = elapsed_ms
+            self._score_ms.setdefault(pause_id, elapsed_ms)  # a language model's score, if in first, counts
             for event in endpointer.score(pause_id, completeness):
                 self._on_vad(event)
 
         self._spawn(score())
+
+    def turn_score(self, score: asr_pb2.TurnScore) -> None:
+        """A language model's P(the turn ends at pause `score.pause_id`), from the client (the gateway asks the
+        LLM as it starts the speculative reply to the endpoint candidate). It decides the pause's hangover; one
+        that comes after the pause ended is counted late and dropped. With `config.turn_scores` every pause waits
+        for one, up to the policy's score budget; a `declined` one ends that wait."""
+        if self._scorer is None:
+            return  # fixed hangover: nothing is scored
+        endpointer = self._endpointer
+        live = endpointer.pause_id == score.pause_id and endpointer.in_turn
+        if score.declined:
+            for event in endpointer.decline(score.pause_id):
+                self._on_vad(event)
+            return
+        telemetry.TURN_SCORES.labels("in_time" if live else "late").inc()
+        if not live:
+            return
+        elapsed_ms = (time.monotonic_ns() - self._pause_started_ns) / 1e6
+        telemetry.COMPUTE.labels("asr_turn_score_lm").observe(elapsed_ms / 1000)
+        self._score_ms[score.pause_id] = elapsed_ms
+        for event in endpointer.score(score.pause_id, lm_completeness(score.probability), decisive=True):
+            self._on_vad(event)
 
     # ---- decodes ---------------------------------------------------------------------------------------
     def _turn_audio(self) -> tuple[np.ndarray, int]:
@@ -212,13 +237,16 @@ class RecognitionStream:
         assert draft is not None
         offset_ms = self._draft_offset_ms
         turn = self.turn_index
+        pause_id = self._endpointer.pause_id
         stamp = self._stamp()
 
         async def announce() -> None:
             result = await draft
             if self._draft is draft and self.turn_index == turn and self._endpointer.candidate:
                 self._candidate_emitted = True
-                candidate = asr_pb2.EndpointCandidate(text=result.result.text, words=_words(result.result, offset_ms))
+                candidate = asr_pb2.EndpointCandidate(
+                    text=result.result.text, words=_words(result.result, offset_ms), pause_id=pause_id
+                )
                 self._send(asr_pb2.RecognizeEvent(endpoint_candidate=candidate), stamp, result)
 
         self._spawn(announce())

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+import numpy as np
 from llama_cpp import Llama, LlamaState
 from llama_cpp.llama_types import CreateCompletionStreamResponse
 
-from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
 from services.llm.prompt import CompletionPrompt
 
 log = logging.getLogger(__name__)
@@ -77,17 +78,23 @@ class LlamaCppEngine:
         self.n_threads_batch = n_threads_batch
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(max_concurrency=slots)
+        self.capabilities = EngineCapabilities(max_concurrency=slots, scores_turn_end=True)
         self._slot_count = slots
         self._slots: list[_Slot] = []
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._states: collections.OrderedDict[str, LlamaState] = collections.OrderedDict()
         self._saved_sessions = saved_sessions
+        self._end_tokens = np.zeros(0, dtype=np.int64)
 
     async def start(self) -> None:
         self._slots = [_Slot(await asyncio.to_thread(self._load), index) for index in range(self._slot_count)]
-        # Warm-up: the first evaluation allocates compute buffers.
-        await asyncio.to_thread(self._slots[0].llama.create_completion, "Hello", max_tokens=1)
+        self._end_tokens = await asyncio.to_thread(end_tokens, self._slots[0].llama)
+        # Warm-up: the first evaluation allocates compute buffers, and every slot's cache starts with the prompt's
+        # fixed head (persona and examples, ~120 tokens), which every session's prompt begins with: the first turn
+        # of the first session would otherwise prefill it, ~0.5 s on 2 cores.
+        head = self.prompt.render([Message("user", "Hello.")])
+        for slot in self._slots:
+            await asyncio.to_thread(slot.llama.create_completion, head, max_tokens=1)
 
     def _load(self) -> Llama:
         return Llama(
@@ -161,7 +168,7 @@ class LlamaCppEngine:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if first:
+                if first and item.turn_end is None:
                     item.queue_ms = (acquired - enqueued) / 1e6
                     first = False
                 yield item
@@ -192,6 +199,12 @@ class LlamaCppEngine:
                 llama.load_state(saved)
                 cached = _common_prefix(saved_tokens, tokens)
         slot.session_id = request.session_id
+        if request.score_turn_end:
+            tokens = self._split_at_turn_end(llama, text, tokens)
+            cached = min(cached, _common_prefix(list(llama._input_ids), tokens))
+            scored = self._turn_end(llama, text, tokens, cached)
+            if scored is not None:
+                put(GenerationChunk(turn_end=scored, score_ms=(time.monotonic_ns() - started) / 1e6))
         # With stream=True the result is a generator of chunks (the signature's union covers stream=False too).
         stream = cast(
             Generator[CreateCompletionStreamResponse, None, None],
@@ -242,6 +255,55 @@ class LlamaCppEngine:
             )
         )
 
+    def _split_at_turn_end(self, llama: Llama, text: str, tokens: list[int]) -> list[int]:
+        """`tokens` with a token boundary right after the user's last word. Gemma's tokenizer nearly always puts
+        one there; where a token spans the word's end and the punctuation, the prompt is tokenized in two parts
+        (that turn's successor then misses the cache from this user line on)."""
+        offset = self.prompt.turn_end_offset(text)
+        if offset is None:
+            return tokens
+        head = llama.tokenize(text[:offset].encode(), add_bos=True)
+        if tokens[: len(head)] == head:
+            return tokens
+        return head + llama.tokenize(text[offset:].encode(), add_bos=False, special=False)
+
+    def _turn_end(self, llama: Llama, text: str, tokens: list[int], cached: int) -> float | None:
+        """P(a sentence end or a line break right after the user's last word): the model's own sense of whether
+        the utterance is finished.
+
+        The prompt's new tokens are evaluated here, in the batches the reply's prefill would use anyway, with
+        logits kept at the user's last word as well as at the end; the reply is then sampled from the cache
+        with nothing left to evaluate. The extra row of logits is the whole cost (the output layer reads its
+        weights once for both rows).
+
+        Measured on Gemma 3 270M, word by word through 16 spoken sentences: finished ones scored 0.18-0.92
+        (median 0.77), the 131 points inside them under 0.05 but for clause ends ("...yesterday" 0.58)."""
+        offset = self.prompt.turn_end_offset(text)
+        if offset is None or not len(self._end_tokens):
+            return None
+        head = llama.tokenize(text[:offset].encode(), add_bos=True)
+        if tokens[: len(head)] != head or len(head) >= len(tokens):
+            return None
+        word = len(head) - 1  # the position whose logits say what follows the last word
+        start = min(cached, word)
+        llama._ctx.kv_cache_seq_rm(-1, start, -1)
+        scored: np.ndarray | None = None
+        for first in range(start, len(tokens), llama.n_batch):
+            chunk = tokens[first : first + llama.n_batch]
+            llama._batch.set_batch(batch=chunk, n_past=first, logits_all=False)  # logits at the chunk's end
+            if first <= word < first + len(chunk):
+                llama._batch.batch.logits[word - first] = True
+            llama._ctx.decode(llama._batch)
+            if first <= word < first + len(chunk):
+                row = np.ctypeslib.as_array(llama._ctx.get_logits_ith(word - first), shape=(llama.n_vocab(),))
+                scored = row.astype(np.float64)
+            llama.input_ids[first : first + len(chunk)] = chunk
+            llama.n_tokens = first + len(chunk)
+        llama._requires_eval = False  # the last row is live: create_completion samples from it at once
+        assert scored is not None
+        probabilities = np.exp(scored - scored.max())
+        return float(probabilities[self._end_tokens].sum() / probabilities.sum())
+
     def _save_state(self, session_id: str, llama: Llama) -> None:
         # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
         # session's state (a few MB for a short dialogue, ~1 ms) lets its next turn skip the prefill again.
@@ -258,6 +320,16 @@ class LlamaCppEngine:
         for slot in self._slots:
             slot.llama.close()
         self._slots = []
+
+
+def end_tokens(llama: Llama) -> np.ndarray:
+    """The ids of tokens that end a user's line: those starting (after spaces) with . ? ! or a line break."""
+    ids = []
+    for token in range(llama.n_vocab()):
+        piece = llama.detokenize([token]).decode("utf-8", "ignore").lstrip(" ")
+        if piece[:1] in (".", "?", "!", "\n"):
+            ids.append(token)
+    return np.array(ids, dtype=np.int64)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -29,6 +29,9 @@ FEW_SHOT = (
 INTERRUPTED_NOTE = '(The assistant began to say "{heard}" but the user interrupted.)'
 
 
+CLOSING = ".,;:!?…-—\"'"  # punctuation a transcript may end with: its words end before it
+
+
 @dataclass(frozen=True)
 class CompletionPrompt:
     """`User:`/`Assistant:` transcript; the reply ends at a newline or at the next speaker label."""
@@ -54,6 +57,19 @@ class CompletionPrompt:
         prefix = reply_prefix.rstrip()
         lines.append(f"{self.assistant_label}: {prefix}" if prefix else f"{self.assistant_label}:")
         return "\n".join(lines)
+
+    def turn_end_offset(self, text: str) -> int | None:
+        """Where the user's words end in `text` (rendered from a dialogue ending with a user message, without a
+        reply prefix): before the closing punctuation Whisper adds, which is exactly what is in doubt. None when
+        the user's line has no words."""
+        cue = f"\n{self.assistant_label}:"
+        if not text.endswith(cue):
+            return None
+        end = len(text) - len(cue)
+        line_start = text.rfind("\n", 0, end) + 1 + len(self.user_label) + 2
+        while end > line_start and (text[end - 1] in CLOSING or text[end - 1].isspace()):
+            end -= 1
+        return end if any(ch.isalnum() for ch in text[line_start:end]) else None
 
     def _line(self, message: Message) -> str:
         content = " ".join(message.content.split())

@@ -101,6 +101,7 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         top_p=message.top_p or 0.95,
         seed=message.seed,
         reply_prefix=message.reply_prefix,
+        score_turn_end=message.score_turn_end and not message.reply_prefix,
     )
 
 
@@ -184,6 +185,11 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         stream = self.engine.generate(generation)
         try:
             async for chunk in stream:
+                if chunk.turn_end is not None:
+                    yield llm_pb2.GenerateResponse(
+                        turn_end=llm_pb2.TurnEnd(probability=chunk.turn_end, score_ms=chunk.score_ms)
+                    )
+                    continue
                 if slot_since_ms is None:
                     slot_since_ms = monotonic_ms() - (chunk.ttft_ms or 0.0)
                 response = llm_pb2.GenerateResponse(text_delta=chunk.text)

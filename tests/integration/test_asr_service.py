@@ -110,6 +110,10 @@ def _frame(seq: int, data: bytes = b"\x00\x00" * 320, rate: int = 16000) -> asr_
     return asr_pb2.RecognizeRequest(frame=pcm_frame(data, rate, seq))
 
 
+def _score(pause_id: int, probability: float) -> asr_pb2.RecognizeRequest:
+    return asr_pb2.RecognizeRequest(turn_score=asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
+
+
 @pytest.mark.parametrize(
     ("messages", "code", "words"),
     [
@@ -132,6 +136,10 @@ def _frame(seq: int, data: bytes = b"\x00\x00" * 320, rate: int = 16000) -> asr_
             ("hangover_ms=200",),
         ),
         ([_config(language="de")], grpc.StatusCode.INVALID_ARGUMENT, ("language='de'",)),
+        ([_config(), _frame(0), _score(0, 0.5)], grpc.StatusCode.INVALID_ARGUMENT, ("pause_id is 0",)),
+        ([_config(), _frame(0), _score(1, 1.5)], grpc.StatusCode.INVALID_ARGUMENT, ("probability=1.5 out of range",)),
+        ([_config(), _frame(0), _score(1, float("nan"))], grpc.StatusCode.INVALID_ARGUMENT, ("probability=nan",)),
+        ([_score(1, 0.5)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "got a turn_score")),
     ],
 )
 async def test_bad_input_gets_a_clear_status(services: dict[str, str], messages: list, code, words) -> None:

@@ -177,6 +177,35 @@ async def test_a_pause_mid_sentence_never_speaks_the_speculative_reply(gateway) 
     assert metrics[0].server.speculative_discarded >= 1
 
 
+async def _split_after(services: dict[str, str], clip: Clip, word: str, pause_s: float) -> Clip:
+    """`clip` with `pause_s` of silence spliced in after `word` (its end as the ASR's word timings put it)."""
+    events = [e async for _, e in clients.recognize(services["asr"], clip, realtime=False)]
+    words = [w for e in events if e.WhichOneof("event") == "final" for w in e.final.words]
+    end_ms = next(w.end_ms for w in words if w.text.strip(".,").lower() == word)
+    audio = clip.to_rate(16000).samples
+    cut = int(end_ms * 16)
+    return join(Clip(audio[:cut], 16000), pause_s, Clip(audio[cut:], 16000))
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["scored-by-the-llm", "fixed-hangover"])
+async def test_a_pause_where_whisper_puts_a_full_stop_is_held_open_by_the_llms_score(
+    services, gateway, fixed: bool
+) -> None:
+    """Whisper transcribes "The child almost hurt" with a full stop; Gemma's P(end) after "hurt" is ~0.004. With
+    the LLM's score the 600 ms pause is waited out and the sentence is one turn; the fixed hangover (the
+    control) cuts it in two."""
+    clip = await _split_after(services, load_clip("spk1_snt1"), "hurt", 0.6)
+    endpointing = asr_pb2.EndpointingConfig(fixed_hangover=fixed)
+    config = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(endpointing=endpointing))
+    turns, _, events = await talk(target(gateway), clip, config, trailing_silence_s=3.0)
+    finals = [e.text for e in events if isinstance(e, UserTranscript) and e.final]
+    if fixed:
+        assert len(finals) == 2, finals
+    else:
+        assert len(finals) == 1 and "hurt" in finals[0].lower() and "dog" in finals[0].lower(), finals
+        assert len(turns) == 1
+
+
 def _config(**fields: object) -> conversation_pb2.ConverseRequest:
     base: dict[str, object] = {"input_sample_rate_hz": 16000}
     base.update(fields)

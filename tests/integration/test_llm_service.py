@@ -162,3 +162,38 @@ async def test_a_reply_prefix_is_continued_not_repeated(services: dict[str, str]
         rest = "".join([r.text_delta async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request)])
     assert rest and not rest.strip().startswith(prefix.split()[0]), (prefix, rest)
     assert prefix + rest == text, "greedy decoding: the continuation is the rest of the same reply"
+
+
+async def _scored(target: str, text: str) -> list[llm_pb2.GenerateResponse]:
+    request = llm_pb2.GenerateRequest(
+        session_id="turn-end", messages=[llm_pb2.ChatMessage(role=USER, content=text)], score_turn_end=True
+    )
+    async with grpc.aio.insecure_channel(target) as channel:
+        return [r async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request)]
+
+
+async def test_the_turn_end_score_comes_first_and_tells_a_finished_sentence_from_a_broken_off_one(
+    services: dict[str, str],
+) -> None:
+    """Whisper ends both with a full stop; the model's P(end) after the last word tells them apart."""
+    finished = await _scored(services["llm"], "The child almost hurt the small dog.")
+    broken_off = await _scored(services["llm"], "The child almost hurt.")
+    for responses in (finished, broken_off):
+        assert responses[0].HasField("turn_end") and not responses[0].text_delta
+        assert not any(r.HasField("turn_end") for r in responses[1:])
+        assert responses[1].ttft_ms > 0 and "".join(r.text_delta for r in responses).strip(), "the reply follows"
+    p_finished, p_broken = finished[0].turn_end.probability, broken_off[0].turn_end.probability
+    assert p_finished > 0.2 > 0.02 > p_broken, (p_finished, p_broken)
+
+
+async def test_no_turn_end_score_without_the_flag_or_when_continuing_a_reply(services: dict[str, str]) -> None:
+    plain = [r async for r in clients.generate(services["llm"], [(USER, "What is the capital of France?")])]
+    request = llm_pb2.GenerateRequest(
+        session_id="continued-scored",
+        messages=[llm_pb2.ChatMessage(role=USER, content="What is the capital of France?")],
+        reply_prefix="The capital",
+        score_turn_end=True,
+    )
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        continued = [r async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request)]
+    assert not any(r.HasField("turn_end") for r in plain + continued)

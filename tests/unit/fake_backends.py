@@ -84,13 +84,17 @@ class FakeStub:
 class FakeBackends:
     """Backends whose first connection takes a while, as a real channel's does; the LLM says `reply`."""
 
-    def __init__(self, connect_s: float = 0.0, reply: str = "Hello there friend.") -> None:
+    def __init__(
+        self, connect_s: float = 0.0, reply: str = "Hello there friend.", turn_end: float | None = None
+    ) -> None:
         self.connect_s = connect_s
         self.reply = reply
+        self.turn_end = turn_end  # the LLM's P(turn end) when asked to score; None: it cannot score
         self.asr: list[object] = []
         self.tts: list[object] = []
         self.asr_script: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
         self.tts_connected = False
+        self.llm_scores_turn_end = turn_end is not None
 
     def pick(self, stage: str) -> str:
         return stage
@@ -116,6 +120,8 @@ class FakeBackends:
     async def generate(
         self, request: llm_pb2.GenerateRequest, metadata: object = None
     ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        if request.score_turn_end and self.turn_end is not None:
+            yield llm_pb2.GenerateResponse(turn_end=llm_pb2.TurnEnd(probability=self.turn_end))
         for index, word in enumerate(self.reply.split()):
             yield llm_pb2.GenerateResponse(text_delta=word if index == 0 else f" {word}")
         yield llm_pb2.GenerateResponse(finish_reason=llm_pb2.FINISH_REASON_STOP)

@@ -65,9 +65,9 @@ def test_settings_from_flags_env_and_defaults() -> None:
     from services.asr.server import AsrSettings
 
     built = config.build(
-        AsrSettings, "asr", {"port": "7000"}, {"VOICEMESH_ASR_CPU_THREADS": "1", "VOICEMESH_ASR_PORT": "9"}
+        AsrSettings, "asr", {"port": "7000"}, {"VOICEMESH_ASR_CPU_THREADS": "2", "VOICEMESH_ASR_PORT": "9"}
     )
-    assert built.port == 7000 and built.cpu_threads == 1 and built.workers == 1
+    assert built.port == 7000 and built.cpu_threads == 2 and built.workers == 2
     with pytest.raises(SystemExit, match="VOICEMESH_ASR_WORKERS"):
         config.build(AsrSettings, "asr", {}, {"VOICEMESH_ASR_WORKERS": "many"})
     with pytest.raises(SystemExit, match=r"unknown setting.*VOICEMESH_ASR_LANGUAGE"):

@@ -1,7 +1,7 @@
 import pytest
 
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
-from voicemesh.endpointing import policy_from, to_proto
+from voicemesh.endpointing import lm_completeness, policy_from, to_proto
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2
 
@@ -9,16 +9,20 @@ FIXED = EndpointingPolicy(candidate_silence_ms=150, hangover_ms=300, fixed_hango
 
 
 def run(
-    probabilities: list[float], policy: EndpointingPolicy = FIXED, scores: dict[int, float] | None = None
+    probabilities: list[float],
+    policy: EndpointingPolicy = FIXED,
+    scores: dict[int, float] | None = None,
+    decisive: bool = True,
 ) -> list[tuple[int, Event]]:
-    """Feed windows; `scores` gives a pause's completeness score when its window `index` is reached."""
+    """Feed windows; `scores` gives a pause's completeness score when its window `index` is reached (a language
+    model's with `decisive`, else the transcript's)."""
     endpointer = Endpointer(policy, window_ms=32)
     events = []
     for index, p in enumerate(probabilities):
         for event in endpointer.push(p):
             events.append((endpointer.now_ms, event))
         if scores and index in scores:
-            for event in endpointer.score(endpointer.pause_id, scores[index]):
+            for event in endpointer.score(endpointer.pause_id, scores[index], decisive):
                 events.append((endpointer.now_ms, event))
     return events
 
@@ -98,8 +102,8 @@ def test_the_pause_clock_stops_while_speech_may_be_resuming() -> None:
 SEMANTIC = EndpointingPolicy(min_hangover_ms=64)  # candidate 32, short 64, fixed 288, long 1200
 
 
-def commit_after_ms(scores: dict[int, float] | None, silence_windows: int = 60) -> int | None:
-    events = run([0.9] * 10 + [0.0] * silence_windows, SEMANTIC, scores)
+def commit_after_ms(scores: dict[int, float] | None, silence_windows: int = 60, decisive: bool = True) -> int | None:
+    events = run([0.9] * 10 + [0.0] * silence_windows, SEMANTIC, scores, decisive)
     ends = [at for at, event in events if event is Event.END_OF_TURN]
     return ends[0] - 10 * 32 if ends else None
 
@@ -118,12 +122,41 @@ def test_an_unsure_score_waits_in_between() -> None:
     assert waited is not None and SEMANTIC.min_hangover_ms < waited < SEMANTIC.max_hangover_ms
 
 
-def test_by_default_a_complete_pause_waits_the_fixed_hangover_and_an_incomplete_one_longer() -> None:
+def test_the_transcripts_own_score_only_lengthens_the_fixed_hangover() -> None:
+    # Whisper ends "The child almost hurt" with a full stop: that alone must not commit before 288 ms.
+    assert commit_after_ms({12: 0.95}, decisive=False) == 288
+    assert commit_after_ms({12: 0.05}, decisive=False) == pytest.approx(SEMANTIC.max_hangover_ms, abs=32)
+
+
+def test_a_language_model_score_replaces_the_transcripts_and_is_not_replaced_by_it() -> None:
+    endpointer = Endpointer(SEMANTIC, window_ms=32)
+    for p in [0.9] * 10 + [0.0] * 2:
+        endpointer.push(p)
+    endpointer.score(endpointer.pause_id, 0.95)  # the transcript: full stop
+    assert endpointer.hangover_ms == SEMANTIC.hangover_ms
+    endpointer.score(endpointer.pause_id, 0.05, decisive=True)  # the language model: not finished
+    assert endpointer.hangover_ms == SEMANTIC.max_hangover_ms
+    endpointer.score(endpointer.pause_id, 0.95)  # a late transcript score changes nothing
+    assert endpointer.hangover_ms == SEMANTIC.max_hangover_ms
+    for p in [0.0] * 20:
+        endpointer.push(p)
+    assert endpointer.in_turn  # 700 ms of silence: still waiting
+
+
+def test_by_default_a_complete_pause_waits_the_short_hangover_and_an_incomplete_one_longer() -> None:
     default = EndpointingPolicy()
-    events = run([0.9] * 10 + [0.0] * 60, default, {12: 0.95})
-    assert [at for at, e in events if e is Event.END_OF_TURN] == [10 * 32 + 288]
-    events = run([0.9] * 10 + [0.0] * 60, default, {12: 0.05})
+    events = run([0.9] * 10 + [0.0] * 60, default, {5 + 10: lm_completeness(0.9)})
+    assert [at for at, e in events if e is Event.END_OF_TURN] == [10 * 32 + 192]  # the score came at 192 ms
+    events = run([0.9] * 10 + [0.0] * 60, default, {12: lm_completeness(0.004)})
     assert [at for at, e in events if e is Event.END_OF_TURN] == [10 * 32 + 1216]
+
+
+def test_a_language_models_probability_maps_onto_the_completeness_scale() -> None:
+    waits = [EndpointingPolicy().hangover_for(lm_completeness(p)) for p in (0.9, 0.6, 0.3, 0.1, 0.03, 0.001)]
+    assert waits == sorted(waits)
+    assert waits[0] == waits[1] == EndpointingPolicy().min_hangover_ms
+    assert waits[-2] == waits[-1] == EndpointingPolicy().max_hangover_ms
+    assert waits[1] < waits[2] < waits[3] < waits[4]
 
 
 def test_a_score_that_never_comes_leaves_the_fixed_hangover() -> None:

@@ -12,6 +12,7 @@ from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
 from services.asr.stream import RecognitionStream
 from services.asr.vad import WINDOW_SAMPLES
+from voicemesh.endpointing import lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
 
@@ -148,20 +149,21 @@ class SlowScorer(TurnScorer):
         return 0.0
 
 
-async def _scored_run(scorer: TurnScorer) -> list[asr_pb2.RecognizeEvent]:
+async def _scored_run(scorer: TurnScorer, lm_probability: float | None = None) -> list[asr_pb2.RecognizeEvent]:
+    """One utterance and its pause; with `lm_probability`, the client answers the endpoint candidate with it as
+    the gateway does with the LLM's score."""
     vad = FakeVad()
     events: list[asr_pb2.RecognizeEvent] = []
     config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
     policy = EndpointingPolicy(min_hangover_ms=64, hangover_ms=256)
-    stream = RecognitionStream(
-        config,
-        policy,
-        vad,
-        FakeTranscriber(vad),
-        WorkerPool(1, "test-asr"),
-        events.append,
-        scorer,
-    )
+
+    def emit(event: asr_pb2.RecognizeEvent) -> None:
+        events.append(event)
+        if lm_probability is not None and event.WhichOneof("event") == "endpoint_candidate":
+            pause_id = event.endpoint_candidate.pause_id
+            stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=lm_probability))
+
+    stream = RecognitionStream(config, policy, vad, FakeTranscriber(vad), WorkerPool(1, "test-asr"), emit, scorer)
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
     for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
         stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
@@ -179,13 +181,26 @@ async def test_a_scorer_that_fails_or_is_slow_never_holds_the_turn_open(scorer: 
     assert finals[0].completeness == -1 and finals[0].hangover_ms == 256  # the fixed hangover applied
 
 
-async def test_a_complete_score_commits_after_the_short_hangover() -> None:
+async def test_the_transcripts_full_stop_alone_waits_the_fixed_hangover() -> None:
     events = await _scored_run(TurnScorer(None))  # text only: "hello there." ends a sentence
     final = next(e for e in events if e.WhichOneof("event") == "final")
-    assert final.final.completeness == pytest.approx(0.8) and final.final.hangover_ms == 64
+    assert final.final.completeness == pytest.approx(0.8) and final.final.hangover_ms == 256
+
+
+async def test_a_language_model_score_of_the_candidate_commits_after_the_short_hangover() -> None:
+    events = await _scored_run(TurnScorer(None), lm_probability=0.9)
+    candidate = next(e for e in events if e.WhichOneof("event") == "endpoint_candidate")
+    assert candidate.endpoint_candidate.pause_id == 1
+    final = next(e for e in events if e.WhichOneof("event") == "final")
+    assert final.final.completeness == pytest.approx(lm_completeness(0.9)) and final.final.hangover_ms == 64
     assert final.speech_end_ms == SPEECH_WINDOWS * 32
     kinds = [e.WhichOneof("event") for e in events]
     assert kinds.index("speech_stopped") < kinds.index("final")
+
+
+async def test_a_language_model_that_hears_no_end_holds_the_turn_open() -> None:
+    events = await _scored_run(TurnScorer(None), lm_probability=0.001)  # PAUSE_WINDOWS of silence: < 1200 ms
+    assert not any(e.WhichOneof("event") == "final" for e in events)
 
 
 class BrokenTranscriber(FakeTranscriber):

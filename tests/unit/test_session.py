@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import grpc
+import pytest
 
 from gateway.options import PipelineOptions, SessionOptions
 from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
@@ -127,6 +128,61 @@ async def test_a_pause_holds_the_audio_and_the_resume_plays_on_from_where_it_pau
         assert [kind for kind, _ in events][-2:] == ["reply_done", "metrics"]
         assert "interrupted" not in [kind for kind, _ in events]
         assert session.history[-1].text == "One two three four." and not session.history[-1].interrupted
+    finally:
+        await session.close()
+
+
+def turn_scores(backends: FakeBackends) -> list[asr_pb2.TurnScore]:
+    return [r.turn_score for r in backends.asr if isinstance(r, asr_pb2.RecognizeRequest) and r.HasField("turn_score")]
+
+
+async def test_the_llms_turn_end_score_goes_back_to_the_asr_pause_it_scores() -> None:
+    backends = FakeBackends(turn_end=0.004)
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        config = backends.asr[0].config
+        assert config.turn_scores, "the ASR is told that every pause will be scored"
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="the child almost hurt.", pause_id=3))
+        await until(lambda: bool(turn_scores(backends)))
+        (score,) = turn_scores(backends)
+        assert score.pause_id == 3 and score.probability == pytest.approx(0.004) and not score.declined
+    finally:
+        await session.close()
+
+
+async def test_a_pause_no_reply_is_started_for_is_declined_at_once() -> None:
+    backends = FakeBackends(turn_end=0.5)
+    session = new_session(backends, speculative_start=False)
+    try:
+        await until(lambda: bool(backends.asr))
+        assert not backends.asr[0].config.turn_scores, "no speculative reply: nothing scores the pauses"
+    finally:
+        await session.close()
+    backends = FakeBackends(turn_end=0.5)
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="", pause_id=2))  # no words: no reply
+        await until(lambda: bool(turn_scores(backends)))
+        assert [(s.pause_id, s.declined) for s in turn_scores(backends)] == [(2, True)]
+    finally:
+        await session.close()
+
+
+async def test_an_llm_that_cannot_score_is_learnt_and_the_asr_stops_waiting() -> None:
+    backends = FakeBackends()  # no turn_end in its replies, as vLLM
+    backends.llm_scores_turn_end = True  # not known yet
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        assert backends.asr[0].config.turn_scores
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it", pause_id=1))
+        await until(lambda: bool(turn_scores(backends)))
+        assert [(s.pause_id, s.declined) for s in turn_scores(backends)] == [(1, True)]
+        assert not backends.llm_scores_turn_end
     finally:
         await session.close()
 
