@@ -355,11 +355,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="N concurrent sessions of real speech against a gateway: V2V p50/p95/p99 per stage, HTML report",
     )
     # Flags left out are None: the defaults live in voicemesh.loadtest (LoadTestOptions, DEFAULT_BUDGET_MS).
-    load.add_argument("--target", help="gateway HOST:PORT (default: the local mesh's gateway)")
+    load.add_argument(
+        "--target",
+        help="gateway HOST:PORT: its gRPC port, or its HTTP door with --transport ws (default: a local mesh)",
+    )
     load.add_argument("--sessions", type=int, help="concurrent sessions")
     load.add_argument("--turns", type=int, help="turns (clips spoken) per session")
     load.add_argument("--audio", nargs="+", required=True, help="16-bit WAV files or directories of them")
-    load.add_argument("--transport", help="grpc (Conversation.Converse) or ws")
+    load.add_argument("--transport", help="grpc (Conversation.Converse) or ws (the WebSocket door browsers use)")
     load.add_argument("--ramp-s", type=float, help="spread session starts over this many seconds")
     load.add_argument("--duration-s", type=float, help="hard time limit for the whole test")
     load.add_argument("--turn-timeout-s", type=float, help="a reply not done this long after its clip fails")

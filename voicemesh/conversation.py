@@ -175,35 +175,52 @@ class ConversationClient:
                 accepted.set()  # the call's request stream goes on to its end instead of waiting forever
 
     def _convert(self, message: conversation_pb2.ConverseEvent) -> Event:
-        turn = message.turn_index
-        kind = message.WhichOneof("event")
-        if kind == "started":
-            started = message.started
-            return Started(started.session_id, started.history_turns, started.resume_token)
-        if kind in ("user_partial", "user_final"):
-            transcript = getattr(message, kind)
-            return UserTranscript(turn, transcript.text, kind == "user_final", transcript.stable_prefix)
-        if kind == "reply_text":
-            return ReplyText(turn, message.reply_text.text_delta)
-        if kind == "reply_audio":
-            now = epoch_us()
-            if turn not in self._first_audio_us:
-                self._first_audio_us[turn] = now
-                if not self._closed:  # tell the gateway, which records the downlink stage
-                    report = conversation_pb2.ClientReport(turn_index=turn, first_audio_received_us=now)
-                    self._queue.put_nowait(conversation_pb2.ConverseRequest(report=report))
-            frame = message.reply_audio.frame
-            return ReplyAudio(
-                turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now, frame.seq
-            )
-        if kind == "interrupted":
-            return Interrupted(turn, message.interrupted.spoken_text)
-        if kind == "reply_done":
-            return ReplyDone(turn, message.reply_done.text)
-        if kind == "metrics":
-            return TurnMetrics(turn, message.metrics, self._first_audio_us.get(turn, 0))
-        error = message.error
-        return SessionError(turn, error.stage, error.code, error.message, error.recoverable)
+        event = event_from(message, self._first_audio_us)
+        if isinstance(event, ReplyAudio) and self._first_audio_us[event.turn_index] == event.received_us:
+            if not self._closed:  # the turn's first audio: tell the gateway, which records the downlink stage
+                report = conversation_pb2.ClientReport(
+                    turn_index=event.turn_index, first_audio_received_us=event.received_us
+                )
+                self._queue.put_nowait(conversation_pb2.ConverseRequest(report=report))
+        return event
+
+
+class ConversationFailed(Exception):
+    """A conversation the gateway ended with an error (on doors that have no gRPC status to raise)."""
+
+    def __init__(self, code: str, details: str) -> None:
+        super().__init__(f"{code}: {details}")
+        self.code = code
+        self.details = details
+
+
+def event_from(message: conversation_pb2.ConverseEvent, first_audio_us: dict[int, int]) -> Event:
+    """A Converse event as the typed event it is; `first_audio_us` (turn -> when its first audio came) is updated."""
+    turn = message.turn_index
+    kind = message.WhichOneof("event")
+    if kind == "started":
+        started = message.started
+        return Started(started.session_id, started.history_turns, started.resume_token)
+    if kind in ("user_partial", "user_final"):
+        transcript = getattr(message, kind)
+        return UserTranscript(turn, transcript.text, kind == "user_final", transcript.stable_prefix)
+    if kind == "reply_text":
+        return ReplyText(turn, message.reply_text.text_delta)
+    if kind == "reply_audio":
+        now = epoch_us()
+        first_audio_us.setdefault(turn, now)
+        frame = message.reply_audio.frame
+        return ReplyAudio(
+            turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now, frame.seq
+        )
+    if kind == "interrupted":
+        return Interrupted(turn, message.interrupted.spoken_text)
+    if kind == "reply_done":
+        return ReplyDone(turn, message.reply_done.text)
+    if kind == "metrics":
+        return TurnMetrics(turn, message.metrics, first_audio_us.get(turn, 0))
+    error = message.error
+    return SessionError(turn, error.stage, error.code, error.message, error.recoverable)
 
 
 def speech_frames(frames: list[bytes], floor_dbfs: float = -75.0, below_peak_db: float = 35.0) -> list[bool]:

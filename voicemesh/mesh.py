@@ -206,13 +206,15 @@ def _ephemeral_range() -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def local_mesh(log_prefix: str = "voicemesh-") -> Iterator[str]:
-    """ASR, LLM, TTS and a gateway (no browser doors) as processes on free loopback ports; yields the gateway."""
+def local_mesh(log_prefix: str = "voicemesh-", door: str = "grpc") -> Iterator[str]:
+    """ASR, LLM, TTS and a gateway as processes on free loopback ports; yields the gateway's gRPC target, or with
+    `door` "ws" its HTTP door (otherwise not started)."""
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
     ports = {name: free_port() for name in DEFAULT_PORTS}
-    mesh.start_local(ports, http_port=-1)
+    http_port = free_port() if door == "ws" else -1
+    mesh.start_local(ports, http_port=http_port)
     try:
         asyncio.run(mesh.wait(timeout_s=240))
-        yield f"127.0.0.1:{ports['gateway']}"
+        yield f"127.0.0.1:{http_port if door == 'ws' else ports['gateway']}"
     finally:
         mesh.stop_all()

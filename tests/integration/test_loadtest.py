@@ -16,6 +16,7 @@ import pytest_asyncio
 from tests.conftest import clip_path, free_port
 from tests.unit.test_loadtest import REPORT_KEYS  # the keys users' tooling reads, written once
 from voicemesh import cli
+from voicemesh.clients import Credentials
 from voicemesh.loadtest import LoadTestOptions, LoadTestReport, loadtest, run_loadtest
 from voicemesh.stages import STAGE_NAMES
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
@@ -89,6 +90,47 @@ async def test_two_sessions_of_two_turns_against_the_real_mesh(gateway: str, tmp
     assert said[(0, 0)] != said[(1, 0)], "sessions start on different clips"
 
 
+@pytest_asyncio.fixture(loop_scope="session")
+async def web_gateway(services: dict[str, str]) -> AsyncIterator[str]:
+    """A gateway with its browser doors; yields the HTTP door, HOST:PORT."""
+    from gateway.server import GatewaySettings, build_server
+
+    server = build_server(
+        GatewaySettings(
+            port=0,
+            http_port=0,
+            asr_target=services["asr"],
+            llm_target=services["llm"],
+            tts_target=services["tts"],
+            drain_grace_s=1,
+            auth_token="load-test-token",
+        )
+    )
+    await server.start()
+    yield f"127.0.0.1:{server.http_port}"
+    await server.stop()
+
+
+async def test_the_websocket_door_under_load_as_browsers_use_it(web_gateway: str, tmp_path: Path) -> None:
+    credentials = Credentials(token="load-test-token")
+    options = LoadTestOptions(
+        target=web_gateway, transport="ws", sessions=2, turns=2, audio=clip_paths(), ramp_s=0.5, credentials=credentials
+    )
+    report = await loadtest(options, tmp_path)
+    assert_complete(report, tmp_path, sessions=2, turns=2)
+    assert report.turns.ok == 4, report.per_turn
+    for turn in report.per_turn:
+        assert turn.user and turn.reply and turn.v2v_ms is not None and turn.v2v_ms > 0
+        assert turn.stages_ms["downlink"] > 0, "the client reported its first audio, as a page does"
+
+
+async def test_a_websocket_refusal_fails_the_turns_with_the_gateways_status(web_gateway: str, tmp_path: Path) -> None:
+    options = LoadTestOptions(target=web_gateway, transport="ws", sessions=1, turns=2, audio=clip_paths(), ramp_s=0)
+    report = await loadtest(options, tmp_path)  # no token
+    assert report.turns.ok == 0
+    assert report.turns.failed_by_error == {"UNAUTHENTICATED": 2}
+
+
 async def test_an_unreachable_target_gives_failed_turns_with_their_status(tmp_path: Path) -> None:
     options = LoadTestOptions(target=f"127.0.0.1:{free_port()}", sessions=2, turns=3, audio=clip_paths(), ramp_s=0)
     report = await loadtest(options, tmp_path)
@@ -112,13 +154,11 @@ def test_the_command_on_an_unreachable_target_exits_non_zero_without_a_traceback
     assert "Traceback" not in out + err
 
 
-def test_the_command_refuses_a_remote_target_and_ws(capsys: pytest.CaptureFixture[str]) -> None:
-    for extra in (["--target", "192.0.2.10:50051"], ["--transport", "ws"]):
-        with pytest.raises(SystemExit) as exit_info:
-            cli.main(["loadtest", *extra, "--audio", *clip_paths()])
-        assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "--allow-remote" in err and "ws is unavailable" in err
+def test_the_command_refuses_a_remote_target(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["loadtest", "--target", "192.0.2.10:50051", "--audio", *clip_paths()])
+    assert exit_info.value.code == 2
+    assert "--allow-remote" in capsys.readouterr().err
 
 
 class RefusingGateway(conversation_pb2_grpc.ConversationServicer):

@@ -20,6 +20,7 @@ from voicemesh.audio import FRAME_MS
 from voicemesh.clients import Pacer, epoch_us
 from voicemesh.conversation import (
     ConversationClient,
+    ConversationFailed,
     Interrupted,
     ReplyText,
     SessionError,
@@ -28,6 +29,7 @@ from voicemesh.conversation import (
     UserTranscript,
     speech_end_sent_us,
 )
+from voicemesh.conversation_ws import WebSocketConversationClient
 from voicemesh.loadtest.clips import RATE_HZ, SpeechClip, load_clips
 from voicemesh.loadtest.html_report import render_report
 from voicemesh.loadtest.options import LoadTestOptions, check_options
@@ -159,10 +161,12 @@ class _Session:
         finally:
             self.ended_us = epoch_us()
 
-    def _open_client(self) -> ConversationClient:
+    def _open_client(self) -> ConversationClient | WebSocketConversationClient:
         config = conversation_pb2.SessionConfig(
             session_id=self.session_id, input_sample_rate_hz=RATE_HZ, output_sample_rate_hz=RATE_HZ
         )
+        if self.options.transport == "ws":
+            return WebSocketConversationClient(self.options.target, config, credentials=self.options.credentials)
         # No reconnects: a dropped call is a failure the load test must count, not hide.
         return ConversationClient(
             self.options.target, config, reconnect_attempts=0, credentials=self.options.credentials
@@ -176,7 +180,7 @@ class _Session:
         for turn in unfinished:
             turn.fail(status, detail)
 
-    async def _send(self, client: ConversationClient) -> None:
+    async def _send(self, client: ConversationClient | WebSocketConversationClient) -> None:
         pacer = Pacer()
         for number, (turn, clip) in enumerate(zip(self.turns, self.plan, strict=True)):
             self.current, self.sent = turn, []
@@ -198,7 +202,7 @@ class _Session:
                     await pacer.wait()
                     client.send(SILENCE_FRAME)
 
-    async def _receive(self, client: ConversationClient) -> None:
+    async def _receive(self, client: ConversationClient | WebSocketConversationClient) -> None:
         try:
             async for event in client.events():
                 if isinstance(event, UserTranscript) and event.final:
@@ -214,6 +218,9 @@ class _Session:
                     self._on_metrics(event)
         except grpc.aio.AioRpcError as error:
             self.fail_rest(error.code().name, error.details() or "")
+            return
+        except ConversationFailed as error:
+            self.fail_rest(error.code, error.details)
             return
         self.fail_rest("STREAM_ENDED", "the gateway ended the call before the turn finished")
 
@@ -294,7 +301,7 @@ def on_target(options: LoadTestOptions, run: Callable[[LoadTestOptions], Corouti
     """Run `run(options)` from synchronous code; an empty `options.target` starts (and stops) a local mesh for it."""
     if options.target:
         return asyncio.run(run(options))
-    with local_mesh("voicemesh-loadtest-") as target:
+    with local_mesh("voicemesh-loadtest-", door=options.transport) as target:
         return asyncio.run(run(dataclasses.replace(options, target=target)))
 
 

@@ -22,7 +22,8 @@ class LoadTestOptions:
     """What one load test does. Defaults live here and nowhere else."""
 
     target: str = f"127.0.0.1:{DEFAULT_PORTS['gateway']}"
-    """Gateway address, HOST:PORT. Empty: `run_loadtest`/`run_sweep` start a local mesh of their own."""
+    """Gateway address, HOST:PORT: its gRPC port, or with `transport` ws its HTTP door (`voicemesh up` prints
+    both). Empty: `run_loadtest`/`run_sweep` start a local mesh of their own."""
     sessions: int = 2
     """Concurrent conversations (1-512)."""
     turns: int = 2
@@ -30,7 +31,7 @@ class LoadTestOptions:
     audio: tuple[str, ...] = ()
     """WAV files or directories of them (every *.wav); sessions cycle through them, each starting elsewhere."""
     transport: str = "grpc"
-    """`grpc` (Conversation.Converse) or `ws` (the WebSocket front door, once a client for it exists)."""
+    """`grpc` (Conversation.Converse) or `ws` (the WebSocket door /api/ws, as a browser page speaks it)."""
     ramp_s: float = 1.0
     """Session starts are spread evenly over this long."""
     duration_s: float = 300.0
@@ -76,12 +77,6 @@ def check_options(options: LoadTestOptions) -> None:
         raise LoadTestError("no audio: give --audio with a 16-bit WAV file or a directory of them")
     if options.transport not in TRANSPORTS:
         raise LoadTestError(f"transport={options.transport!r}: use one of {', '.join(TRANSPORTS)}")
-    if options.transport == "ws":
-        # The WebSocket front door is being built in gateway/; a client with ConversationClient's interface
-        # (send, close, events() yielding voicemesh.conversation events) plugs in at `_Session._open_client`.
-        raise LoadTestError(
-            "transport ws is unavailable: voicemesh/ has no WebSocket conversation client yet; use --transport grpc"
-        )
     if not options.allow_remote and not is_loopback(options.target):
         raise LoadTestError(
             f"target {options.target} is not a loopback address; load-testing another machine needs --allow-remote"
