@@ -364,6 +364,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     load.add_argument("--audio", nargs="+", required=True, help="16-bit WAV files or directories of them")
     load.add_argument("--transport", help="grpc (Conversation.Converse) or ws (the WebSocket door browsers use)")
     load.add_argument("--ramp-s", type=float, help="spread session starts over this many seconds")
+    load.add_argument(
+        "--arrival", choices=("staggered", "sync"), help="sync: every session speaks each turn at once (worst case)"
+    )
+    load.add_argument("--think-s", help="think time between a reply and the next clip: SECONDS or LOW,HIGH (seeded)")
     load.add_argument("--duration-s", type=float, help="hard time limit for the whole test")
     load.add_argument("--turn-timeout-s", type=float, help="a reply not done this long after its clip fails")
     load.add_argument(

@@ -111,6 +111,15 @@ async def web_gateway(services: dict[str, str]) -> AsyncIterator[str]:
     await server.stop()
 
 
+async def test_sync_arrival_makes_every_session_speak_each_turn_at_once(gateway: str, tmp_path: Path) -> None:
+    options = LoadTestOptions(target=gateway, sessions=2, turns=2, audio=clip_paths(), arrival="sync", duration_s=120)
+    report = await loadtest(options, tmp_path)
+    assert report.turns.ok == 4, report.per_turn
+    for number in range(2):
+        starts = [t.clip_start_s for t in report.per_turn if t.turn == number]
+        assert None not in starts and max(starts) - min(starts) < 0.1, starts  # type: ignore[type-var,operator]
+
+
 async def test_the_websocket_door_under_load_as_browsers_use_it(web_gateway: str, tmp_path: Path) -> None:
     credentials = Credentials(token="load-test-token")
     options = LoadTestOptions(

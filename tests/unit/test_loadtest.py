@@ -20,6 +20,7 @@ from voicemesh.loadstats import Summary, summarize
 from voicemesh.loadtest import LoadTestError, LoadTestOptions, check_options, is_loopback, load_clips
 from voicemesh.loadtest.capacity import capacity, queue_growth, verdict
 from voicemesh.loadtest.cli import options_from_args, parse_levels
+from voicemesh.loadtest.driver import Rendezvous
 from voicemesh.loadtest.html_report import nice_ticks, render_report, render_sweep
 from voicemesh.loadtest.report import (
     LoadTestReport,
@@ -201,6 +202,7 @@ def test_the_ws_transport_is_accepted(tmp_path: Path) -> None:
         ({"turns": 1000}, "turns=1000"),
         ({"audio": ()}, "no audio"),
         ({"transport": "udp"}, "use one of grpc, ws"),
+        ({"arrival": "bursty"}, "use one of staggered, sync"),
         ({"pause_s": (2.0, 1.0)}, "0 <= low <= high"),
     ],
 )
@@ -211,11 +213,17 @@ def test_options_out_of_bounds_are_refused(tmp_path: Path, fields: dict[str, obj
 
 
 def test_flags_left_out_keep_the_options_defaults() -> None:
-    flags = dict.fromkeys(("target", "sessions", "turns", "transport", "ramp_s", "duration_s", "turn_timeout_s"))
-    args = argparse.Namespace(**flags, audio=["a.wav"], allow_remote=False)
+    names = ("target", "sessions", "turns", "transport", "ramp_s", "arrival", "think_s", "duration_s", "turn_timeout_s")
+    args = argparse.Namespace(**dict.fromkeys(names), audio=["a.wav"], allow_remote=False)
     assert options_from_args(args) == LoadTestOptions(audio=("a.wav",))
-    args.sessions, args.ramp_s = 8, 0.0
-    assert options_from_args(args) == LoadTestOptions(audio=("a.wav",), sessions=8, ramp_s=0.0)
+    args.sessions, args.ramp_s, args.arrival, args.think_s = 8, 0.0, "sync", "2"
+    expected = LoadTestOptions(audio=("a.wav",), sessions=8, ramp_s=0.0, arrival="sync", pause_s=(2.0, 2.0))
+    assert options_from_args(args) == expected
+    args.think_s = "0.5,3"
+    assert options_from_args(args).pause_s == (0.5, 3.0)
+    args.think_s = "soon"
+    with pytest.raises(LoadTestError, match="--think-s"):
+        options_from_args(args)
 
 
 def test_clips_from_a_directory_are_sorted_and_trimmed_after_the_speech(tmp_path: Path) -> None:
@@ -435,3 +443,16 @@ def test_html_sweep_report_links_each_level() -> None:
 def test_nice_ticks_cover_the_range_with_round_steps() -> None:
     assert nice_ticks(0, 1234) == [0, 500, 1000, 1500]
     assert nice_ticks(0, 1.0) == [0, 0.2, 0.4, 0.6, 0.8, 1.0]
+
+
+async def test_sync_arrival_releases_a_turn_once_every_running_session_is_ready() -> None:
+    rendezvous = Rendezvous(3)
+    first = rendezvous.ready(0, 0)
+    rendezvous.ready(1, 0)
+    assert not first.is_set()
+    rendezvous.leave(2)  # the third session failed before its first turn: nobody waits for it
+    assert first.is_set()
+    later = rendezvous.ready(0, 1)
+    assert not later.is_set()
+    rendezvous.ready(1, 1)
+    assert later.is_set()

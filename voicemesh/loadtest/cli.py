@@ -26,6 +26,17 @@ def parse_levels(text: str) -> list[int]:
     return levels
 
 
+def parse_think(text: str) -> tuple[float, float]:
+    """`--think-s`: one number (always that long) or LOW,HIGH (drawn uniformly, seeded)."""
+    try:
+        parts = [float(part) for part in text.split(",")]
+    except ValueError as error:
+        raise LoadTestError(f"--think-s {text!r}: give seconds, e.g. 1.5 or 0.5,3") from error
+    if len(parts) not in (1, 2):
+        raise LoadTestError(f"--think-s {text!r}: give one number or LOW,HIGH")
+    return (parts[0], parts[-1])
+
+
 def options_from_args(args: argparse.Namespace, credentials: Credentials = PLAINTEXT) -> LoadTestOptions:
     """The flags given; every flag left out keeps `LoadTestOptions`' default."""
     given = {
@@ -35,6 +46,8 @@ def options_from_args(args: argparse.Namespace, credentials: Credentials = PLAIN
         "audio": tuple(args.audio),
         "transport": args.transport,
         "ramp_s": args.ramp_s,
+        "arrival": args.arrival,
+        "pause_s": parse_think(args.think_s) if args.think_s else None,
         "duration_s": args.duration_s,
         "turn_timeout_s": args.turn_timeout_s,
         "allow_remote": args.allow_remote,

@@ -104,6 +104,31 @@ class TurnResult:
         )
 
 
+class Rendezvous:
+    """`sync` arrival: each turn's clips start together, once every session still running is ready for that turn."""
+
+    def __init__(self, sessions: int) -> None:
+        self._running = set(range(sessions))
+        self._ready: dict[int, set[int]] = {}
+        self._go: dict[int, asyncio.Event] = {}
+
+    def ready(self, session: int, turn: int) -> asyncio.Event:
+        """Session `session` is ready to speak turn `turn`; the event is set when everyone is."""
+        self._ready.setdefault(turn, set()).add(session)
+        self._check(turn)
+        return self._go.setdefault(turn, asyncio.Event())
+
+    def leave(self, session: int) -> None:
+        """The session has ended (done or failed): nobody waits for it any more."""
+        self._running.discard(session)
+        for turn in self._ready:
+            self._check(turn)
+
+    def _check(self, turn: int) -> None:
+        if self._running <= self._ready.get(turn, set()):
+            self._go.setdefault(turn, asyncio.Event()).set()
+
+
 class _Session:
     """One conversation: speaks its clips turn by turn, waits out each reply, records each turn's outcome.
 
@@ -111,8 +136,16 @@ class _Session:
     natural pause, so the client never talks over the bot (that would be barge-in).
     """
 
-    def __init__(self, index: int, options: LoadTestOptions, plan: list[SpeechClip], run_id: str) -> None:
+    def __init__(
+        self,
+        index: int,
+        options: LoadTestOptions,
+        plan: list[SpeechClip],
+        run_id: str,
+        rendezvous: Rendezvous | None = None,
+    ) -> None:
         self.index = index
+        self.rendezvous = rendezvous
         self.options = options
         self.plan = plan
         self.turns = [TurnResult(index, number, clip.name) for number, clip in enumerate(plan)]
@@ -160,6 +193,8 @@ class _Session:
                     await asyncio.sleep(0)
         finally:
             self.ended_us = epoch_us()
+            if self.rendezvous is not None:
+                self.rendezvous.leave(self.index)
 
     def _open_client(self) -> ConversationClient | WebSocketConversationClient:
         config = conversation_pb2.SessionConfig(
@@ -183,6 +218,11 @@ class _Session:
     async def _send(self, client: ConversationClient | WebSocketConversationClient) -> None:
         pacer = Pacer()
         for number, (turn, clip) in enumerate(zip(self.turns, self.plan, strict=True)):
+            if self.rendezvous is not None:
+                go = self.rendezvous.ready(self.index, number)
+                while not go.is_set():  # silence until every session is ready: then all speak at once
+                    await pacer.wait()
+                    client.send(SILENCE_FRAME)
             self.current, self.sent = turn, []
             turn.clip_start_us = epoch_us()
             for frame, is_speech in zip(clip.frames, clip.is_speech, strict=True):
@@ -255,15 +295,23 @@ async def loadtest(options: LoadTestOptions, out_dir: str | Path | None = None) 
     clips = load_clips(options.audio)
     run_id = uuid.uuid4().hex[:8]
     # Session i starts at clip i, so concurrent sessions say different things.
+    rendezvous = Rendezvous(options.sessions) if options.arrival == "sync" else None
     sessions = [
-        _Session(index, options, [clips[(index + number) % len(clips)] for number in range(options.turns)], run_id)
+        _Session(
+            index,
+            options,
+            [clips[(index + number) % len(clips)] for number in range(options.turns)],
+            run_id,
+            rendezvous,
+        )
         for index in range(options.sessions)
     ]
     origin_us = epoch_us()
     started = time.monotonic()
 
     async def start(session: _Session) -> None:
-        await asyncio.sleep(options.ramp_s * session.index / options.sessions)
+        if rendezvous is None:
+            await asyncio.sleep(options.ramp_s * session.index / options.sessions)
         await session.run()
 
     tasks = [asyncio.ensure_future(start(session)) for session in sessions]

@@ -11,6 +11,7 @@ from voicemesh.mesh import DEFAULT_PORTS
 MAX_SESSIONS = 512
 MAX_TURNS = 100
 TRANSPORTS = ("grpc", "ws")
+ARRIVALS = ("staggered", "sync")
 
 
 class LoadTestError(Exception):
@@ -33,11 +34,16 @@ class LoadTestOptions:
     transport: str = "grpc"
     """`grpc` (Conversation.Converse) or `ws` (the WebSocket door /api/ws, as a browser page speaks it)."""
     ramp_s: float = 1.0
-    """Session starts are spread evenly over this long."""
+    """Session starts are spread evenly over this long (`staggered` arrival)."""
+    arrival: str = "staggered"
+    """`staggered`: sessions start over `ramp_s` and each goes at its own pace (think times, reply lengths), as
+    real callers do. `sync`: every session starts at once and speaks each turn's clip at the same moment as the
+    others (a session that is done waits for the rest): the worst case, where all turns' urgent work collides."""
     duration_s: float = 300.0
     """Hard limit for the whole test; turns still running then fail with DURATION_LIMIT."""
     pause_s: tuple[float, float] = (0.5, 1.5)
-    """Natural pause after each reply, drawn uniformly from this range."""
+    """Think time after each reply before the next clip (`--think-s`), drawn uniformly from this range with
+    `seed`."""
     turn_timeout_s: float = 30.0
     """A turn whose reply has not finished this long after its clip fails with TIMEOUT."""
     allow_remote: bool = False
@@ -75,6 +81,8 @@ def check_options(options: LoadTestOptions) -> None:
         raise LoadTestError(f"pause_s={options.pause_s}: give (low, high) with 0 <= low <= high")
     if not options.audio:
         raise LoadTestError("no audio: give --audio with a 16-bit WAV file or a directory of them")
+    if options.arrival not in ARRIVALS:
+        raise LoadTestError(f"arrival={options.arrival!r}: use one of {', '.join(ARRIVALS)}")
     if options.transport not in TRANSPORTS:
         raise LoadTestError(f"transport={options.transport!r}: use one of {', '.join(TRANSPORTS)}")
     if not options.allow_remote and not is_loopback(options.target):

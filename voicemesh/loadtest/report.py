@@ -317,7 +317,8 @@ def format_summary(report: LoadTestReport) -> str:
     options, counts = report.options, report.turns
     lines = [
         f"loadtest {options.target} ({options.transport}): {options.sessions} sessions x {options.turns} turns,"
-        f" ramp {options.ramp_s:g} s, wall {report.wall_s} s",
+        f" {options.arrival}{f' over {options.ramp_s:g} s' if options.arrival == 'staggered' else ''},"
+        f" wall {report.wall_s} s",
         f"turns: {counts.ok} ok, {counts.failed} failed, {counts.not_started} not started of {counts.planned};"
         f" throughput {report.throughput.ok_turns_per_min} ok turns/min",
         "",
