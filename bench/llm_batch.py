@@ -1,0 +1,131 @@
+"""Does llama.cpp's multi-sequence batched decoding pay on this machine? Aggregate decode tokens/s of the embedded
+Gemma 3 270M with 1, 2 and 4 sequences in one KV cache, one decode call per step (each sequence's next token in
+the same batch), side by side in one run. The question behind it (issue 13): would one replica that decodes
+several conversations at once, with one copy of the model, hold more sessions than one that takes turns?
+
+Greedy decoding on real prompts (the persona, the examples and a user line), after a prefill that is not timed.
+`python -m bench.llm_batch`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import llama_cpp
+import numpy as np
+from llama_cpp import Llama
+
+from services.llm.engine import Message
+from services.llm.llama_cpp_engine import default_model_path
+from services.llm.prompt import CompletionPrompt
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Can you tell me what the weather will be like tomorrow?",
+    "How long does it take to boil an egg?",
+    "Could you explain how compound interest works?",
+)
+
+
+def _context(llama: Llama, sequences: int, threads: int) -> llama_cpp.llama_context_p:
+    params = llama_cpp.llama_context_default_params()
+    params.n_ctx = 512 * sequences
+    params.n_batch = 512
+    params.n_ubatch = 512
+    params.n_seq_max = sequences
+    params.n_threads = threads
+    params.n_threads_batch = threads
+    params.kv_unified = True
+    context = llama_cpp.llama_init_from_model(llama._model.model, params)
+    if not context:
+        raise RuntimeError("llama.cpp could not create the context")
+    return context
+
+
+def _decode(context: llama_cpp.llama_context_p, batch: llama_cpp.llama_batch, rows: list[tuple[int, int, int]]) -> None:
+    """Decode `rows` of (token, position, sequence id), logits for each."""
+    batch.n_tokens = len(rows)
+    for index, (token, position, sequence) in enumerate(rows):
+        batch.token[index] = token
+        batch.pos[index] = position
+        batch.n_seq_id[index] = 1
+        batch.seq_id[index][0] = sequence
+        batch.logits[index] = True
+    if llama_cpp.llama_decode(context, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+
+
+def measure(llama: Llama, streams: int, steps: int, threads: int) -> dict[str, object]:
+    prompt = CompletionPrompt()
+    context = _context(llama, streams, threads)
+    batch = llama_cpp.llama_batch_init(512, 0, streams)
+    vocab = llama.n_vocab()
+    try:
+        positions, last = [], []
+        for sequence in range(streams):  # prefill each prompt in its own sequence (not timed)
+            text = prompt.render([Message("user", QUESTIONS[sequence % len(QUESTIONS)])])
+            tokens = llama.tokenize(text.encode(), add_bos=True)
+            _decode(context, batch, [(token, index, sequence) for index, token in enumerate(tokens)])
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(context, len(tokens) - 1), shape=(vocab,))
+            last.append(int(np.argmax(logits)))
+            positions.append(len(tokens))
+        step_ms = []
+        for _ in range(steps):
+            rows = [(last[s], positions[s], s) for s in range(streams)]
+            started = time.perf_counter()
+            _decode(context, batch, rows)
+            for s in range(streams):
+                row = llama_cpp.llama_get_logits_ith(context, s)
+                last[s] = int(np.argmax(np.ctypeslib.as_array(row, shape=(vocab,))))
+                positions[s] += 1
+            step_ms.append((time.perf_counter() - started) * 1000)
+    finally:
+        llama_cpp.llama_batch_free(batch)
+        llama_cpp.llama_free(context)
+    median = statistics.median(step_ms)
+    return {
+        "streams": streams,
+        "step_ms_p50": round(median, 2),
+        "aggregate_tokens_per_s": round(streams * 1000 / median, 1),
+        "per_stream_tokens_per_s": round(1000 / median, 1),
+    }
+
+
+def run(steps: int = 48, threads: int = 2, levels: tuple[int, ...] = (1, 2, 4)) -> dict[str, object]:
+    llama = Llama(model_path=str(default_model_path()), n_ctx=512, n_threads=threads, verbose=False)
+    vocabulary = llama.n_vocab()
+    try:
+        measure(llama, 1, 8, threads)  # warm-up: compute buffers, page cache
+        results = [measure(llama, streams, steps, threads) for streams in levels]
+    finally:
+        llama.close()
+    one = results[0]["aggregate_tokens_per_s"]
+    assert isinstance(one, float)
+    for result in results:
+        rate = result["aggregate_tokens_per_s"]
+        assert isinstance(rate, float)
+        result["aggregate_vs_1_stream"] = round(rate / one, 2)
+    return {
+        "model": default_model_path().name,
+        "threads": threads,
+        "steps": steps,
+        "vocabulary": vocabulary,
+        "levels": results,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    json.dump(run(args.steps, args.threads), sys.stdout, indent=2)
+    print()
+
+
+if __name__ == "__main__":
+    main()
