@@ -128,6 +128,7 @@ class Reply:
     spoken_chunks: list[str] = field(default_factory=list)
     pause_id: int = 0  # the ASR pause a speculative reply answers (its candidate's); the LLM scores it
     asr_stream: int = 0  # which of the session's ASR streams that pause id belongs to
+    turn_end: float | None = None  # the LLM's P(turn end) for it, once in
     frames_released: int = 0  # handed to the playout
     frames_sent: int = 0  # played out by the transport
     # Metrics
@@ -397,8 +398,8 @@ class Session:
             commands = controller.on_partial(now_ms, event.partial.text)
         elif kind == "endpoint_candidate":
             commands = controller.on_candidate(now_ms, event.endpoint_candidate.text.strip())
-            if not any(isinstance(c, turn.StartReply) for c in commands) or not self.backends.llm_scores_turn_end:
-                self._send_turn_score(event.endpoint_candidate.pause_id, None)  # no LLM scores this pause
+            if not any(isinstance(c, turn.StartReply) for c in commands):
+                self._rescore(event.endpoint_candidate.pause_id)
         elif kind == "speech_resumed":
             commands = controller.on_speech_resumed(now_ms)
         elif kind == "final":
@@ -584,11 +585,24 @@ class Session:
             await stream.aclose()  # no voice to speak it with: stop generating now
             self._fail(reply)
 
+    def _rescore(self, pause_id: int) -> None:
+        """A candidate that starts no reply: the speculative reply to the same words, if one runs, scores this pause
+        too (its score, or the one still coming); otherwise no score will come."""
+        speculative = self.turns.speculative
+        reply = self._replies.get(speculative[0]) if speculative is not None else None
+        if reply is None or not reply.pause_id or not self.backends.llm_scores_turn_end:
+            self._send_turn_score(pause_id, None)
+            return
+        reply.pause_id, reply.asr_stream = pause_id, self._asr_streams
+        if reply.turn_end is not None:
+            self._send_turn_score(pause_id, reply.turn_end)
+
     def _turn_score(self, reply: Reply, probability: float | None) -> None:
         """Hand the LLM's P(turn end) back to the ASR stream whose pause it scores (it sets that pause's wait);
         None: no score will come."""
         if probability is not None:
             reply.mark("turn_scored")
+            reply.turn_end = probability
         if reply.asr_stream == self._asr_streams and not reply.cancelled:
             self._send_turn_score(reply.pause_id, probability)
 

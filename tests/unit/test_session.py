@@ -152,6 +152,24 @@ async def test_the_llms_turn_end_score_goes_back_to_the_asr_pause_it_scores() ->
         await session.close()
 
 
+async def test_a_second_pause_with_the_same_words_gets_the_running_replys_score() -> None:
+    backends = FakeBackends(turn_end=0.7)
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it", pause_id=1))
+        await until(lambda: len(turn_scores(backends)) == 1)
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it", pause_id=2))
+        await until(lambda: len(turn_scores(backends)) == 2)
+        assert [(s.pause_id, round(s.probability, 2), s.declined) for s in turn_scores(backends)] == [
+            (1, 0.7, False),
+            (2, 0.7, False),
+        ]
+    finally:
+        await session.close()
+
+
 async def test_a_pause_no_reply_is_started_for_is_declined_at_once() -> None:
     backends = FakeBackends(turn_end=0.5)
     session = new_session(backends, speculative_start=False)
