@@ -176,7 +176,8 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         browser = await launch(playwright, wav)
         try:
             driver = PageDriver(await browser.new_page())
-            await driver.open(f"{url}?transport={transport}&max_tokens=20")
+            name, _, query = transport.partition(":")
+            await driver.open(f"{url}?transport={name}&max_tokens=20{'&' + query if query else ''}")
             expression = f"Object.values(s.turns).filter((t) => t.v2v_ms > 0).length >= {turns}"
             state = await driver.wait_until(expression, timeout_s)
         finally:
@@ -195,6 +196,7 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         "gateway_v2v_ms": _summary(server),
         "downlink_and_buffer_ms": _summary(downlink),
         "jitter_buffer": state["jitter"],
+        "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),
         "user_texts": sorted({t["user_text"] for t in measured}),
     }
 
@@ -236,7 +238,11 @@ def run(turns: int = 10, transports: Sequence[str] = ("webrtc", "websocket")) ->
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.browser", description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=10, help="turns measured per transport (default 10)")
-    parser.add_argument("--transports", default="webrtc,websocket", help="comma-separated (default both)")
+    parser.add_argument(
+        "--transports",
+        default="webrtc,websocket",
+        help="comma-separated (default both); a page option may follow a colon, e.g. websocket:jitter_ms=160",
+    )
     args = parser.parse_args(argv)
     reason = browser_missing()
     if reason:

@@ -2,7 +2,9 @@
 // channel); if ICE fails or is not connected within the gateway's timeout, the same session moves to the
 // WebSocket door (PCM16 frames, a jitter buffer here) and the conversation goes on.
 // Query options: transport=auto|webrtc|websocket, simulate=ice-blocked (drop ICE candidates, as a network that
-// blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1.
+// blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1,
+// jitter_ms=N (the WebSocket jitter buffer's starting and lowest target; default 60),
+// rtc_jitter_ms=N (the WebRTC receiver's jitterBufferTarget; default 0 = as low as the network allows; -1 = unset).
 // A gateway that wants a credential gets it from the fragment: open the page as /#token=... . A fragment never
 // reaches a server, so the token stays out of access logs; it goes in a header, or in the WebSocket's first message.
 
@@ -18,8 +20,11 @@ const option = {
   systemPrompt: params.get("system_prompt") || "",
   echoCancellation: params.get("aec") !== "0",
   autostart: params.get("autostart") === "1",
+  rtcJitterMs: Number(params.get("rtc_jitter_ms") ?? 0),
 };
-const JITTER_START_MS = 160;
+// Loopback and LAN links jitter by a few ms; the gateway sends a reply's first 100 ms at once, then in real time.
+// So playback starts after 60 ms of audio, and an underrun the network caused grows the target by a step.
+const JITTER_START_MS = Math.max(20, Number(params.get("jitter_ms") || 60));
 const JITTER_MAX_MS = 800;
 const UNDERRUN_STEP_MS = 40;
 const HEADER_BYTES = 12; // <q time_us><I seq or turn_index>, little-endian
@@ -44,6 +49,7 @@ const state = {
   interrupts: [], // {turn, at_ms, stopped_ms}: each barge-in, and when the reply stopped playing after it
   // underruns: the audio ran out because it came late (the network); starved: because the gateway had none yet.
   jitter: { jitterMs: 0, targetMs: JITTER_START_MS, underruns: 0, starved: 0, underrunTurns: [] },
+  rtcJitterTargetMs: null, // the WebRTC receiver's jitterBufferTarget as Chromium took it (null: not set)
   error: null,
   closed: null,
 };
@@ -369,7 +375,14 @@ async function startWebRtc() {
   rtc = { pc, channel };
   pc.addTransceiver(micStream.getAudioTracks()[0], { direction: "sendrecv", streams: [micStream] });
   channel.onmessage = (event) => onEvent(JSON.parse(event.data));
-  pc.ontrack = (event) => playRemote(event.streams[0] || new MediaStream([event.track]));
+  pc.ontrack = (event) => {
+    // Chromium's jitter buffer otherwise holds a margin for networks far worse than loopback or a LAN.
+    if (option.rtcJitterMs >= 0 && "jitterBufferTarget" in event.receiver) {
+      event.receiver.jitterBufferTarget = option.rtcJitterMs;
+      state.rtcJitterTargetMs = event.receiver.jitterBufferTarget;
+    }
+    playRemote(event.streams[0] || new MediaStream([event.track]));
+  };
   // Once up, a connection that fails (the network changed, a firewall woke up) moves to WebSocket too.
   const failedAfterConnecting = () => {
     const failed = pc.iceConnectionState === "failed" || pc.connectionState === "failed";

@@ -31,6 +31,7 @@ async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(pla
         ended = await page.wait_until("s.status === 'ended'", TURN_TIMEOUT_S)
     assert state["transport"] == "webrtc" and state["fallbackReason"] is None
     assert "connected" in state["iceStates"]
+    assert state["rtcJitterTargetMs"] == 0, "Chromium took the receiver's low jitter buffer target"
     kinds = {e["type"] for e in state["events"]}
     assert {"started", "user_partial", "user_final", "reply_text"} <= kinds
     turn = heard_turns(state)[0]
