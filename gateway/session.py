@@ -498,6 +498,9 @@ class Session:
         metrics.upload_ms = (receipt_us - capture_us) / 1000
         metrics.endpoint_ms = (committed_us - receipt_us) / 1000
         metrics.asr_queue_ms, metrics.asr_compute_ms = event.timing.queue_ms, event.timing.compute_ms
+        if event.WhichOneof("event") == "final":
+            metrics.hangover_ms, metrics.completeness = event.final.hangover_ms, event.final.completeness
+        metrics.turn_end_probability = -1.0 if reply.turn_end is None else reply.turn_end
         reply.committed_us, reply.receipt_us = committed_us, receipt_us
         if reply.speculative:
             telemetry.SPECULATIVE.labels("used").inc()

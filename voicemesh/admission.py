@@ -34,7 +34,7 @@ class QueueAdmission:
         return (ahead / self.slots + 0.5) * self.service_ms
 
     @contextlib.contextmanager
-    def admit(self) -> Iterator[None]:
+    def admit(self) -> Iterator[Admitted]:
         """Hold a place for one request, or raise RESOURCE_EXHAUSTED naming the wait and the budget."""
         expected = self.expected_wait_ms()
         if self.budget_ms and expected > self.budget_ms:
@@ -44,10 +44,11 @@ class QueueAdmission:
                 f"expected wait ~{expected:.0f} ms > budget {self.budget_ms:.0f} ms; try another replica",
             )
         self.in_flight += 1
+        admitted = Admitted(self)
         try:
-            yield
+            yield admitted
         finally:
-            self.in_flight -= 1
+            admitted.leave()
 
     def record(self, service_ms: float) -> None:
         """A request held its slot for `service_ms`."""
@@ -55,6 +56,20 @@ class QueueAdmission:
             self.service_ms = service_ms
         else:
             self.service_ms += self._smoothing * (service_ms - self.service_ms)
+
+
+class Admitted:
+    """One request's place in the queue; `leave` gives it up early (an engine whose replies yield their slot to new
+    ones: past its first token a request no longer delays a newcomer)."""
+
+    def __init__(self, admission: QueueAdmission) -> None:
+        self._admission = admission
+        self._left = False
+
+    def leave(self) -> None:
+        if not self._left:
+            self._left = True
+            self._admission.in_flight -= 1
 
 
 class StreamLimit:

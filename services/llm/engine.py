@@ -53,6 +53,9 @@ class EngineCapabilities:
     """Requests it generates at once; the server's admission queues the rest by it."""
     scores_turn_end: bool = False
     """Answers `score_turn_end`; an engine that cannot just streams the reply."""
+    yields_to_new_turns: bool = False
+    """A reply past its first token gives its slot up to a new request between two tokens: a newcomer waits only
+    for the first tokens of those ahead of it, not for whole replies."""
 
 
 class Engine(Protocol):

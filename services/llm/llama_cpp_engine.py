@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import ctypes
+import dataclasses
 import logging
 import threading
 import time
@@ -12,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
+import llama_cpp
 import numpy as np
-from llama_cpp import Llama, LlamaState
+from llama_cpp import Llama
 from llama_cpp.llama_types import CreateCompletionStreamResponse
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
@@ -51,7 +55,48 @@ class _Slot:
 @dataclass
 class _Waiter:
     session_id: str
+    urgent: bool = True  # a reply's first words; False: the rest of a reply that gave its slot up for one
     future: asyncio.Future[_Slot] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A session's KV cache and the tokens it holds, to put back in a slot for its next turn (~2-5 MB).
+
+    Not `Llama.save_state`: that also copies the Python-side logits of every cached token (n_tokens x 262,144
+    floats for Gemma 3, 133 MB for a 127-token prompt), which this engine never reads; 64 saved sessions held
+    ~8 GB."""
+
+    tokens: list[int]
+    data: bytes
+
+    @classmethod
+    def of(cls, llama: Llama) -> SavedState:
+        context = llama._ctx.ctx
+        size = llama_cpp.llama_state_get_size(context)
+        buffer = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_get_data(context, buffer, size)
+        return cls(list(llama.input_ids[: llama.n_tokens]), bytes(memoryview(buffer)[:written]))
+
+    def load(self, llama: Llama) -> None:
+        buffer = (ctypes.c_uint8 * len(self.data)).from_buffer_copy(self.data)
+        if llama_cpp.llama_state_set_data(llama._ctx.ctx, buffer, len(self.data)) != len(self.data):
+            raise RuntimeError("llama.cpp did not take the saved state back")
+        llama.input_ids[: len(self.tokens)] = self.tokens
+        llama.n_tokens = len(self.tokens)
+        llama._requires_eval = True  # the logits are not restored: the next prompt evaluates at least one token
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data) + 8 * len(self.tokens)
+
+
+@dataclass(frozen=True)
+class _Yielded:
+    """A reply stopped between two tokens so that a new turn's first words could have its slot."""
+
+    text: str  # what it had streamed
+    completion_tokens: int
 
 
 class LlamaCppEngine:
@@ -71,18 +116,25 @@ class LlamaCppEngine:
         n_ctx: int = 2048,
         saved_sessions: int = 64,
         prompt: CompletionPrompt | None = None,
+        yield_to_new_turns: bool = True,
     ) -> None:
         self.model_path = model_path
+        # A reply past its first words gives its slot up, between two tokens, to a new turn waiting for one: that
+        # turn's first words are on a user's critical path, the rest of the reply only has to stay ahead of playout.
+        self.yield_to_new_turns = yield_to_new_turns
+        self._urgent_waiting = 0  # urgent waiters; read by generation threads between tokens
         self.model_name = model_path.stem
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(max_concurrency=slots, scores_turn_end=True)
+        self.capabilities = EngineCapabilities(
+            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns
+        )
         self._slot_count = slots
         self._slots: list[_Slot] = []
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._states: collections.OrderedDict[str, LlamaState] = collections.OrderedDict()
+        self._states: collections.OrderedDict[str, SavedState] = collections.OrderedDict()
         self._saved_sessions = saved_sessions
         self._end_tokens = np.zeros(0, dtype=np.int64)
 
@@ -114,14 +166,15 @@ class LlamaCppEngine:
         return len(self._slots[0].llama.tokenize(text.encode(), add_bos=True))
 
     # ---- slots -----------------------------------------------------------------------------------------
-    async def _acquire(self, session_id: str) -> _Slot:
+    async def _acquire(self, session_id: str, urgent: bool = True) -> _Slot:
         free = [slot for slot in self._slots if not slot.busy]
         if free and not self._waiters:
             slot = next((s for s in free if s.session_id == session_id), free[0])
             slot.busy = True
             return slot
-        waiter = _Waiter(session_id)
+        waiter = _Waiter(session_id, urgent)
         self._waiters.append(waiter)
+        self._urgent_waiting += urgent
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -129,11 +182,15 @@ class LlamaCppEngine:
                 self._release(waiter.future.result())
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
+                self._urgent_waiting -= urgent
             raise
 
     def _release(self, slot: _Slot) -> None:
+        """Hand the slot to the next waiter: a new turn's first words before the rest of a reply, else in order."""
         while self._waiters:
-            waiter = self._waiters.popleft()
+            waiter = next((w for w in self._waiters if w.urgent), self._waiters[0])
+            self._waiters.remove(waiter)
+            self._urgent_waiting -= waiter.urgent
             if not waiter.future.done():
                 waiter.future.set_result(slot)  # stays busy, handed over
                 return
@@ -143,12 +200,41 @@ class LlamaCppEngine:
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         enqueued = time.monotonic_ns()
         slot = await self._acquire(request.session_id)
-        acquired = time.monotonic_ns()
+        queue_ms = (time.monotonic_ns() - enqueued) / 1e6
+        first, streamed, completion = True, "", 0
+        while True:
+            part = request
+            if streamed:  # it gave its slot up: carry on after what it streamed, from its saved state
+                part = dataclasses.replace(
+                    request,
+                    reply_prefix=request.reply_prefix + streamed,
+                    max_tokens=max(1, request.max_tokens - completion),
+                    score_turn_end=False,
+                )
+            yielded: _Yielded | None = None
+            async with contextlib.aclosing(self._run(slot, part)) as run:  # closed at once: that frees the slot
+                async for item in run:
+                    if isinstance(item, _Yielded):
+                        yielded = item
+                        break
+                    if first and item.turn_end is None:
+                        item.queue_ms, first = queue_ms, False
+                    if item.finish_reason:
+                        item.completion_tokens += completion
+                    yield item
+            if yielded is None:
+                return
+            streamed += yielded.text
+            completion += yielded.completion_tokens
+            slot = await self._acquire(request.session_id, urgent=False)
+
+    async def _run(self, slot: _Slot, request: GenerationRequest) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
+        """One generation on `slot` in a thread; the slot is released when the thread is done with it."""
         loop = asyncio.get_running_loop()
-        chunks: asyncio.Queue[GenerationChunk | BaseException | None] = asyncio.Queue()
+        chunks: asyncio.Queue[GenerationChunk | _Yielded | BaseException | None] = asyncio.Queue()
         cancel = threading.Event()
 
-        def put(item: GenerationChunk | BaseException | None) -> None:
+        def put(item: GenerationChunk | _Yielded | BaseException | None) -> None:
             loop.call_soon_threadsafe(chunks.put_nowait, item)
 
         def run() -> None:
@@ -160,7 +246,6 @@ class LlamaCppEngine:
                 put(None)
 
         worker = loop.run_in_executor(None, run)
-        first = True
         try:
             while True:
                 item = await chunks.get()
@@ -168,9 +253,6 @@ class LlamaCppEngine:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                if first and item.turn_end is None:
-                    item.queue_ms = (acquired - enqueued) / 1e6
-                    first = False
                 yield item
         finally:
             cancel.set()
@@ -182,7 +264,7 @@ class LlamaCppEngine:
         slot: _Slot,
         request: GenerationRequest,
         cancel: threading.Event,
-        put: Callable[[GenerationChunk], None],
+        put: Callable[[GenerationChunk | _Yielded], None],
     ) -> None:
         llama = slot.llama
         started = time.monotonic_ns()
@@ -194,10 +276,9 @@ class LlamaCppEngine:
         cached = _common_prefix(list(llama._input_ids), tokens)
         saved = self._states.get(request.session_id)
         if saved is not None and slot.session_id != request.session_id:
-            saved_tokens = list(saved.input_ids[: saved.n_tokens])
-            if _common_prefix(saved_tokens, tokens) > cached:
-                llama.load_state(saved)
-                cached = _common_prefix(saved_tokens, tokens)
+            if _common_prefix(saved.tokens, tokens) > cached:
+                saved.load(llama)
+                cached = _common_prefix(saved.tokens, tokens)
         slot.session_id = request.session_id
         if request.score_turn_end:
             tokens = self._split_at_turn_end(llama, text, tokens)
@@ -222,16 +303,22 @@ class LlamaCppEngine:
         completion = 0
         first = True
         finish: str | None = None
+        said = ""
         try:
             for part in stream:
                 if cancel.is_set():
                     break
+                if self.yield_to_new_turns and self._urgent_waiting and not first and said.strip():
+                    self._save_state(request.session_id, llama)  # it goes on from here, on this slot or another
+                    put(_Yielded(said, completion))
+                    return
                 choice = part["choices"][0]
                 delta = choice["text"]
                 completion += 1
                 if first and delta and not request.reply_prefix:
                     delta = delta.lstrip()  # the space after "Assistant:" (a continuation keeps its own)
                 if delta or choice.get("finish_reason"):
+                    said += delta
                     chunk = GenerationChunk(text=delta)
                     if first and delta:
                         chunk.ttft_ms = (time.monotonic_ns() - started) / 1e6
@@ -307,7 +394,7 @@ class LlamaCppEngine:
     def _save_state(self, session_id: str, llama: Llama) -> None:
         # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
         # session's state (a few MB for a short dialogue, ~1 ms) lets its next turn skip the prefill again.
-        self._states[session_id] = llama.save_state()
+        self._states[session_id] = SavedState.of(llama)
         self._states.move_to_end(session_id)
         while len(self._states) > self._saved_sessions:
             self._states.popitem(last=False)

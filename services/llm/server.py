@@ -14,7 +14,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from services.llm.engine import Engine, GenerationRequest, Message
 from voicemesh import config, serving, telemetry
-from voicemesh.admission import QueueAdmission, monotonic_ms
+from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.limits import MAX_TOKENS
 from voicemesh.serving import OpenCalls, Server, stream_handler
@@ -42,6 +42,12 @@ class LlmSettings(config.ServerSettings):
     n_threads_batch: int = config.setting(2, "llama.cpp threads for prompt prefill (time to first token)")
     slots: int = config.setting(1, "llama.cpp requests served at once (one model copy each); more wait in line")
     n_ctx: int = config.setting(2048, "context window in tokens")
+    yield_to_new_turns: bool = config.setting(
+        True,
+        "llama_cpp: a reply past its first words gives its slot up, between two tokens, to a new turn waiting for "
+        "one, and goes on after it (the rest of a reply only has to stay ahead of playout); false: first come, "
+        "first served",
+    )
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
     max_queue_wait_ms: float = config.setting(
         2000.0, "refuse (RESOURCE_EXHAUSTED) a request whose expected wait for a slot exceeds this; 0 = never"
@@ -116,6 +122,7 @@ def build_engine(settings: LlmSettings) -> Engine:
             n_threads_batch=settings.n_threads_batch,
             slots=settings.slots,
             n_ctx=settings.n_ctx,
+            yield_to_new_turns=settings.yield_to_new_turns,
         )
     if settings.engine == "vllm":
         from services.llm.convert_gguf import default_model_dir, is_converted
@@ -158,7 +165,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
         generation = to_request(request)
         parent = telemetry.context_from(context.invocation_metadata())
-        with self.calls.hold(), self.admission.admit():
+        with self.calls.hold(), self.admission.admit() as admitted:
             telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
             # Not the current span: this generator may be closed from another task's context (the caller gave up),
             # and detaching a context attached elsewhere is an error. Child spans name it as their parent instead.
@@ -167,7 +174,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                 span.set_attributes(
                     {"session.id": generation.session_id, "replica": self.replica, "model": self.engine.model_name}
                 )
-                async for response in self._generate(generation, span):
+                async for response in self._generate(generation, span, admitted):
                     yield response
             except Exception as error:
                 span.record_exception(error)
@@ -177,7 +184,12 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                 span.end()
         telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
 
-    async def _generate(self, generation: GenerationRequest, span: Span) -> AsyncIterator[llm_pb2.GenerateResponse]:
+    async def _generate(
+        self, generation: GenerationRequest, span: Span, admitted: Admitted
+    ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        # With an engine whose replies yield to new ones, a request delays newcomers only until its first token: it
+        # leaves the admission queue then, and the service time newcomers wait on is the time to first token.
+        yields = self.engine.capabilities.yields_to_new_turns
         first = True
         completion = 0
         slot_since_ms: float | None = None
@@ -206,6 +218,9 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                     response.ttft_ms = chunk.ttft_ms or 0.0
                     response.replica = self.replica
                     response.model = self.engine.model_name
+                    if yields:
+                        admitted.leave()
+                        self.admission.record(ttft_ms)
                 if chunk.finish_reason:
                     completion = chunk.completion_tokens
                     span.set_attributes(
@@ -224,7 +239,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
             raise out_of_range(str(exc)) from exc
         finally:
             await stream.aclose()
-            if slot_since_ms is not None:
+            if slot_since_ms is not None and not yields:
                 self.admission.record(monotonic_ms() - slot_since_ms)
             log.info("generate done", extra={"session_id": generation.session_id, "completion_tokens": completion})
 

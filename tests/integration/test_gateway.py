@@ -70,6 +70,9 @@ async def test_a_spoken_question_gets_a_spoken_reply_with_a_complete_turn_metric
     assert metrics.asr_compute_ms > 0 and metrics.llm_first_token_ms > 0 and metrics.tts_first_audio_ms > 0
     assert metrics.first_audio_sent_us > metrics.speech_end_capture_us > 0
     assert metrics.llm_replica and metrics.completion_tokens > 0 and metrics.reply_audio_ms > 0
+    # The LLM scored the finished sentence, and that score set the pause's hangover.
+    assert 0 < metrics.turn_end_probability <= 1 and 0 <= metrics.completeness <= 1
+    assert 32 <= metrics.hangover_ms <= 1200
     assert turn.metrics.first_audio_received_us >= metrics.first_audio_sent_us, "the downlink was measured"
     assert turn.metrics.downlink_ms < 1000
     # The stages that run one after another fit inside the gateway's V2V.

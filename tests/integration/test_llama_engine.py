@@ -1,0 +1,83 @@
+"""The llama.cpp engine in process, on the real Gemma 3 270M: how it shares its slot between sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+
+from services.llm.engine import GenerationRequest, Message
+from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+
+pytestmark = pytest.mark.integration
+
+# A reply of ~45 tokens (the embedded model's persona keeps its own replies short): the alphabet, once begun.
+LONG = "Say the alphabet."
+LONG_START = "A, B, C, D, E,"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engines():
+    yielding, first_come = (
+        LlamaCppEngine(default_model_path()),
+        LlamaCppEngine(default_model_path(), yield_to_new_turns=False),
+    )
+    await yielding.start()
+    await first_come.start()
+    yield {"yielding": yielding, "first_come": first_come}
+    await yielding.close()
+    await first_come.close()
+
+
+async def _reply(
+    engine: LlamaCppEngine, session: str, text: str, max_tokens: int = 48, start: str = ""
+) -> tuple[str, float, float]:
+    """(reply, when its first text came, when it ended), on the monotonic clock."""
+    started = time.monotonic()
+    first = None
+    said = []
+    request = GenerationRequest(session, [Message("user", text)], max_tokens=max_tokens, reply_prefix=start)
+    async for chunk in engine.generate(request):
+        if chunk.text:
+            first = first or time.monotonic()
+            said.append(chunk.text)
+    return "".join(said), first or started, time.monotonic()
+
+
+@pytest.mark.parametrize("mode", ["yielding", "first_come"])
+async def test_a_new_turns_first_words_do_not_wait_for_another_sessions_whole_reply(engines, mode: str) -> None:
+    engine = engines[mode]
+    started = time.monotonic()
+    alone, _, alone_end = await _reply(engine, "alphabet-alone", LONG, start=LONG_START)
+    assert len(alone.split()) >= 15, "a long reply, so there is something to wait for"
+    long_call = asyncio.ensure_future(_reply(engine, "alphabet", LONG, start=LONG_START))
+    await asyncio.sleep((alone_end - started) * 0.25)  # well into the long reply
+    _, short_first_at, _ = await _reply(engine, "capital", "What is the capital of France?", max_tokens=8)
+    long_text, _, long_end_at = await long_call
+    if mode == "yielding":
+        assert short_first_at < long_end_at - 0.2, "the new turn's first words came while the long reply went on"
+        assert long_text == alone, "the reply that gave its slot up carried on exactly where it stopped"
+    else:
+        assert short_first_at >= long_end_at - 0.2, "first come, first served: the new turn waited (the control)"
+
+
+async def test_a_saved_session_costs_megabytes_not_the_logits_of_every_token(engines) -> None:
+    engine = engines["yielding"]
+    for session in ("a", "b", "c"):
+        await _reply(engine, f"saved-{session}", "My name is Ada and I live in a small house by the sea.", 8)
+    saved = [engine._states[f"saved-{session}"] for session in ("a", "b", "c")]
+    assert all(state.nbytes < 16 * 2**20 for state in saved), [state.nbytes for state in saved]
+    # Session a's state, put back after b and c used the slot, still serves its next turn from the cache.
+    request = GenerationRequest(
+        "saved-a",
+        [
+            Message("user", "My name is Ada and I live in a small house by the sea."),
+            Message("assistant", "Nice to meet you."),
+            Message("user", "What is my name?"),
+        ],
+        max_tokens=4,
+    )
+    last = [chunk async for chunk in engine.generate(request)][-1]
+    assert last.prompt_tokens - last.cached_prompt_tokens < 25, (last.prompt_tokens, last.cached_prompt_tokens)
