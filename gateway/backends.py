@@ -281,7 +281,8 @@ class Backends:
                 silence = Silence("LLM", first_token_timeout_s, stall_s)
                 try:
                     async for response in watched(call, silence.problem):
-                        silence.heard()
+                        if not response.HasField("turn_end"):  # a score is not a token: the first-token limit holds
+                            silence.heard()
                         if response.text_delta:
                             said.append(response.text_delta)
                         yield response

@@ -26,6 +26,7 @@ from services.llm.prompt import CompletionPrompt
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 5.0
+KEEPALIVE_S = 0.25  # a reply waiting to get its slot back says so this often (callers count 1 s of silence as hung)
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
@@ -226,7 +227,14 @@ class LlamaCppEngine:
                 return
             streamed += yielded.text
             completion += yielded.completion_tokens
-            slot = await self._acquire(request.session_id, urgent=False)
+            acquire = asyncio.ensure_future(self._acquire(request.session_id, urgent=False))
+            try:
+                while not (await asyncio.wait({acquire}, timeout=KEEPALIVE_S))[0]:
+                    yield GenerationChunk()  # no text yet: the caller's watchdog hears a live replica
+            finally:
+                if not acquire.done():
+                    acquire.cancel()  # the caller gave up while it waited: its place in line goes
+            slot = acquire.result()
 
     async def _run(self, slot: _Slot, request: GenerationRequest) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
         """One generation on `slot` in a thread; the slot is released when the thread is done with it."""

@@ -28,6 +28,8 @@ from voicemesh.serving import Draining, OpenCalls, Server, merge_reader, stream_
 from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
 from voicemesh.workers import WorkerPool
 
+FIRST_CHUNK_PRIORITY = 0
+LATER_CHUNK_PRIORITY = 10
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
@@ -211,7 +213,10 @@ class SynthesisStream:
                 self._settled.set()
                 continue
             submitted_ns = time.monotonic_ns()
-            timed = await self._pool.run(self._render, chunk)
+            # A reply's first chunk is on a user's critical path; later chunks only have to stay ahead of playout, so
+            # across the replica's streams first chunks are synthesized first.
+            priority = FIRST_CHUNK_PRIORITY if utterance is not None and utterance.chunks == 0 else LATER_CHUNK_PRIORITY
+            timed = await self._pool.run(self._render, chunk, priority=priority)
             if uid in self._cancelled or utterance is None:
                 continue
             # Waiting behind this stream's earlier chunks counts as queueing too, not just the pool's wait.

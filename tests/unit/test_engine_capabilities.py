@@ -144,3 +144,30 @@ def test_a_tts_stream_bounds_its_open_utterances_and_the_ids_it_remembers() -> N
         stream.handle(tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=1000 + uid)))
     assert len(stream._cancelled) == len(stream._closed_ids) == REMEMBERED_IDS
     assert 1000 + REMEMBERED_IDS + 99 in stream._cancelled and 1000 not in stream._cancelled
+
+
+class RecordingPool(WorkerPool):
+    """The real pool, noting each job's priority."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "test-tts")
+        self.priorities: list[int] = []
+
+    async def run(self, fn, *args, priority: int = 0):  # type: ignore[no-untyped-def]
+        self.priorities.append(priority)
+        return await super().run(fn, *args, priority=priority)
+
+
+async def test_a_replys_first_chunk_is_synthesized_before_other_replies_later_chunks() -> None:
+    engine = FakeToneSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    pool = RecordingPool()
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, pool)
+    for uid in (1, 2):
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=uid, text="one two three four ")))
+        stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=uid)))
+    stream.end_input()
+    await asyncio.wait_for(stream.synthesize_loop(), 10)
+    first, later = 0, 10
+    assert pool.priorities[0] == first and set(pool.priorities[1:]) == {first, later}
+    assert pool.priorities.count(first) == 2, "one first chunk per utterance, the rest after any waiting first chunk"
