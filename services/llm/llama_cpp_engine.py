@@ -289,9 +289,9 @@ class LlamaCppEngine:
                 cached = _common_prefix(saved.tokens, tokens)
         slot.session_id = request.session_id
         if request.score_turn_end:
-            tokens = self._split_at_turn_end(llama, text, tokens)
+            tokens, word = self._split_at_turn_end(llama, text, tokens)
             cached = min(cached, _common_prefix(list(llama._input_ids), tokens))
-            scored = self._turn_end(llama, text, tokens, cached)
+            scored = self._turn_end(llama, tokens, cached, word)
             if scored is not None:
                 put(GenerationChunk(turn_end=scored, score_ms=(time.monotonic_ns() - started) / 1e6))
         # With stream=True the result is a generator of chunks (the signature's union covers stream=False too).
@@ -350,19 +350,20 @@ class LlamaCppEngine:
             )
         )
 
-    def _split_at_turn_end(self, llama: Llama, text: str, tokens: list[int]) -> list[int]:
-        """`tokens` with a token boundary right after the user's last word. Gemma's tokenizer nearly always puts
-        one there; where a token spans the word's end and the punctuation, the prompt is tokenized in two parts
-        (that turn's successor then misses the cache from this user line on)."""
+    def _split_at_turn_end(self, llama: Llama, text: str, tokens: list[int]) -> tuple[list[int], int | None]:
+        """`tokens` with a token boundary right after the user's last word, and the position of that word's last
+        token (None: no words to score). Gemma's tokenizer nearly always puts a boundary there; where a token
+        spans the word's end and the punctuation, the prompt is tokenized in two parts (that turn's successor then
+        misses the cache from this user line on)."""
         offset = self.prompt.turn_end_offset(text)
         if offset is None:
-            return tokens
+            return tokens, None
         head = llama.tokenize(text[:offset].encode(), add_bos=True)
-        if tokens[: len(head)] == head:
-            return tokens
-        return head + llama.tokenize(text[offset:].encode(), add_bos=False, special=False)
+        if tokens[: len(head)] != head:
+            tokens = head + llama.tokenize(text[offset:].encode(), add_bos=False, special=False)
+        return tokens, len(head) - 1 if len(head) < len(tokens) else None
 
-    def _turn_end(self, llama: Llama, text: str, tokens: list[int], cached: int) -> float | None:
+    def _turn_end(self, llama: Llama, tokens: list[int], cached: int, word: int | None) -> float | None:
         """P(a sentence end or a line break right after the user's last word): the model's own sense of whether
         the utterance is finished.
 
@@ -373,13 +374,8 @@ class LlamaCppEngine:
 
         Measured on Gemma 3 270M, word by word through 16 spoken sentences: finished ones scored 0.18-0.92
         (median 0.77), the 131 points inside them under 0.05 but for clause ends ("...yesterday" 0.58)."""
-        offset = self.prompt.turn_end_offset(text)
-        if offset is None or not len(self._end_tokens):
+        if word is None or not len(self._end_tokens):
             return None
-        head = llama.tokenize(text[:offset].encode(), add_bos=True)
-        if tokens[: len(head)] != head or len(head) >= len(tokens):
-            return None
-        word = len(head) - 1  # the position whose logits say what follows the last word
         start = min(cached, word)
         llama._ctx.kv_cache_seq_rm(-1, start, -1)
         scored: np.ndarray | None = None
