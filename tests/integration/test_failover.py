@@ -32,6 +32,12 @@ TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
 )
+# Without a speculative start: a short speculative reply may be synthesized whole before its turn commits, and then
+# its audio is released all at once, with no moment "speaking and still synthesizing" left to strike at.
+TALKATIVE_AFTER_COMMIT = conversation_pb2.SessionConfig(
+    system_prompt=TALKATIVE.system_prompt,
+    options=conversation_pb2.PipelineOptions(max_tokens=120, speculative_start=False),
+)
 
 
 @dataclass
@@ -152,6 +158,8 @@ async def test_an_llm_replica_lost_mid_reply_is_continued_without_repeating(repl
 
 @pytest.mark.parametrize("fault", FAULTS)
 async def test_a_tts_replica_lost_mid_reply_speaks_the_rest_elsewhere(replicas: Mesh, fault: str) -> None:
-    outcome = await converse_through_a_fault(replicas, "tts", FAULTS[fault](replicas), speaking, "spk2_snt1", TALKATIVE)
+    outcome = await converse_through_a_fault(
+        replicas, "tts", FAULTS[fault](replicas), speaking, "spk2_snt1", TALKATIVE_AFTER_COMMIT
+    )
     check_the_turn_completed_whole(outcome, "spk2_snt1")
     assert outcome.failovers >= 1
