@@ -1,9 +1,17 @@
-"""Voice-to-voice latency measured in a real browser, over WebRTC and over WebSocket; `python -m bench.browser`.
+"""Voice-to-voice latency measured in a real browser, over WebRTC and over WebSocket, side by side with a gRPC
+client on the same mesh and clips; `python -m bench.browser`.
 
 Debian chromium, driven by playwright, hears a WAV as its microphone (the questions, each followed by silence;
 chromium loops the file) and talks to the gateway's page. V2V per turn = first reply audio played by the page -
 end of the user's speech as the page's microphone heard it (the end of the clip in the fed WAV; the padding is
-digital silence), both on the page's audio clock. Prints p50/p95 per transport as JSON.
+digital silence), both on the page's audio clock. The gRPC client (`voicemesh.conversation.talk`, 48 kHz both
+ways as the page) speaks the same trimmed clips in real time: V2V = first reply frame received - send of the last
+speech frame. Half of its turns run before the browser's, half after.
+
+Prints, as JSON, per transport: V2V p50/p95, the gateway's own V2V, the page's hops (see `measureHops` in
+gateway/static/app.js; they add up to the page's V2V), the underrun rate, and against gRPC: the gap in V2V p50, and
+how much of it the mesh itself was slower while the browser shared its cores (the gateway hop's p50 less the gRPC
+turns' gateway p50): the browser's own CPU, not the path. `remaining_gap_ms` is the gap less that.
 
 Also the harness of the browser tests (tests/e2e): the chromium flags, the fed WAV, and a loopback-only network.
 """
@@ -189,15 +197,62 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         for t in measured
         if t.get("metrics") and t["metrics"].get("first_audio_sent_us")
     ]
+    hops: dict[str, list[float]] = {}
+    for t in measured:
+        for hop, value in (t.get("hops") or {}).items():
+            hops.setdefault(hop, []).append(value)
+    if state["transport"] == "websocket":
+        underrun_turns = len({i for i in state["jitter"]["underrunTurns"] if str(i) in state["turns"]})
+    else:  # a turn whose receiver had to invent non-silent audio: packets came too late for its jitter buffer
+        underrun_turns = sum(1 for t in measured if t.get("rtc_concealed_ms", 0) > 0)
     return {
         "transport": state["transport"],
         "turns": len(measured),
         "v2v_ms": _summary([t["v2v_ms"] for t in measured]),
         "gateway_v2v_ms": _summary(server),
         "downlink_and_buffer_ms": _summary(downlink),
+        "hops_p50_ms": {hop: round(float(np.median(values)), 1) for hop, values in hops.items()},
+        "turns_with_hops": min((len(values) for values in hops.values()), default=0),
+        "underrun_rate": round(underrun_turns / len(measured), 3) if measured else None,
         "jitter_buffer": state["jitter"],
         "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),
+        "webrtc_jitter_buffer_mean_ms": state.get("rtcJitterBufferMs"),
         "user_texts": sorted({t["user_text"] for t in measured}),
+    }
+
+
+async def measure_grpc(target: str, clips: Sequence[Clip], turns: int) -> list[dict[str, float]]:
+    """`turns` turns of a gRPC client on the same clips (one session per clip, as `voicemesh talk`)."""
+    from voicemesh.conversation import talk
+    from voicemesh.v1 import conversation_pb2
+
+    config = conversation_pb2.SessionConfig(
+        input_sample_rate_hz=FED_RATE_HZ,
+        output_sample_rate_hz=FED_RATE_HZ,
+        options=conversation_pb2.PipelineOptions(max_tokens=20),
+    )
+    measured: list[dict[str, float]] = []
+    for index in range(turns):
+        said, _, _ = await talk(target, trimmed(clips[index % len(clips)]), config, trailing_silence_s=6.0)
+        for turn in said[:1]:
+            if turn.v2v_ms is not None and turn.metrics is not None:
+                measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": turn.metrics.server.v2v_ms})
+    return measured
+
+
+def compare(browser: dict[str, Any], grpc: list[dict[str, float]]) -> dict[str, Any]:
+    """A browser transport against the gRPC turns: the gap in V2V p50 and the part of it that is the mesh running
+    slower beside the browser."""
+    grpc_v2v = float(np.median([t["v2v_ms"] for t in grpc]))
+    grpc_gateway = float(np.median([t["gateway_ms"] for t in grpc]))
+    gap = browser["v2v_ms"]["p50"] - grpc_v2v
+    gateway_hop = browser["hops_p50_ms"].get("gateway")
+    slower = gateway_hop - grpc_gateway if gateway_hop is not None else None
+    return {
+        "gap_v2v_p50_ms": round(gap, 1),
+        "mesh_slower_beside_browser_ms": round(slower, 1) if slower is not None else None,
+        "remaining_gap_ms": round(gap - slower, 1) if slower is not None else None,
+        "target_gap_ms": 100,
     }
 
 
@@ -221,13 +276,25 @@ async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
     wav = workdir / "questions.wav"
     fake_mic_wav(wav, parts)
     results: dict[str, Any] = {}
+    grpc: list[dict[str, float]] = []
+    target = f"127.0.0.1:{ports['gateway']}"
     try:
         await mesh.wait(timeout_s=240)
         url = f"http://localhost:{ports['http']}/"
+        grpc += await measure_grpc(target, questions, turns // 2)
         for transport in transports:
             results[transport] = await measure(url, transport, wav, turns, timeout_s=60 + turns * 15)
+        grpc += await measure_grpc(target, questions, turns - turns // 2)
     finally:
         mesh.stop_all()
+    if grpc:
+        results["grpc"] = {
+            "turns": len(grpc),
+            "v2v_ms": _summary([t["v2v_ms"] for t in grpc]),
+            "gateway_v2v_ms": _summary([t["gateway_ms"] for t in grpc]),
+        }
+        for transport in transports:
+            results[transport]["against_grpc"] = compare(results[transport], grpc)
     return results
 
 

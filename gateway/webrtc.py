@@ -20,7 +20,15 @@ from typing import Any
 
 import aioice.ice
 import av
-from aiortc import RTCConfiguration, RTCDataChannel, RTCIceServer, RTCPeerConnection, RTCSessionDescription
+from aiortc import (
+    RTCConfiguration,
+    RTCDataChannel,
+    RTCIceServer,
+    RTCPeerConnection,
+    RTCRtpReceiver,
+    RTCSessionDescription,
+)
+from aiortc.jitterbuffer import JitterBuffer
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.browser import BrowserSession
@@ -146,6 +154,23 @@ class ReplyTrack(MediaStreamTrack):
         return frame
 
 
+def hand_packets_on_at_once(receiver: RTCRtpReceiver) -> None:
+    """The microphone's packets go to the decoder as soon as they are in order, not four packets (80 ms) later.
+
+    aiortc's audio receiver holds 4 complete frames in its jitter buffer before it decodes the oldest (prefetch=4),
+    which is for a listener: smooth playout. The session only reads the audio (its ASR takes frames as they come and
+    has no clock to keep), so that wait was 80 ms of uplink on every turn (bench.browser's WebRTC
+    `endpoint_alignment` hop: 72 ms with it). With prefetch 0 a packet waits only for the next one (20 ms), which
+    still puts packets that arrive out of order back in order. aiortc keeps the buffer private (1.16.0, pinned in
+    pyproject.toml); where a later release renames it, the default stays and a warning says so.
+    """
+    attribute = "_RTCRtpReceiver__jitter_buffer"
+    if not isinstance(getattr(receiver, attribute, None), JitterBuffer):
+        log.warning("aiortc's receive jitter buffer was not found: the microphone keeps its 80 ms prefetch")
+        return
+    setattr(receiver, attribute, JitterBuffer(capacity=16, prefetch=0))
+
+
 class WebRtcPeer:
     """One browser's peer connection, as the Transport of its BrowserSession."""
 
@@ -171,6 +196,9 @@ class WebRtcPeer:
             raise ValueError("the offer has no audio: add the microphone track before creating it")
         try:
             await self.pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer"))
+            for transceiver in self.pc.getTransceivers():
+                if transceiver.kind == "audio":
+                    hand_packets_on_at_once(transceiver.receiver)
             # After the remote description, so the reply rides on the page's (sendrecv) audio transceiver.
             self.pc.addTrack(self.reply)
             await self.pc.setLocalDescription(await self.pc.createAnswer())

@@ -40,7 +40,8 @@ const state = {
   fallbackReason: null,
   iceStates: [],
   events: [],
-  turns: {}, // index -> {user_text, reply_text, played_ms, speech_end_ms, v2v_ms, metrics, interrupted}
+  // index -> {user_text, reply_text, played_ms, speech_end_ms, v2v_ms, metrics, interrupted, received_ms, hops}
+  turns: {},
   speechEnds: [], // epoch ms of the ends of the user's speech, as the microphone heard them
   playing: false,
   interruptions: 0,
@@ -50,6 +51,8 @@ const state = {
   // underruns: the audio ran out because it came late (the network); starved: because the gateway had none yet.
   jitter: { jitterMs: 0, targetMs: JITTER_START_MS, underruns: 0, starved: 0, underrunTurns: [] },
   rtcJitterTargetMs: null, // the WebRTC receiver's jitterBufferTarget as Chromium took it (null: not set)
+  rtcJitterBufferMs: null, // the WebRTC receiver's mean jitter buffer delay (getStats), ms
+  rtcConcealedAtTurn: null, // {index, concealed}: the receiver's concealed non-silent samples when a turn played
   error: null,
   closed: null,
 };
@@ -64,6 +67,8 @@ let replyMeter = null; // level-meter on whatever plays the reply (the player, o
 let rtc = null; // {pc, channel}
 let ws = null;
 let uplinkSeq = 0;
+const sentAt = new Map(); // capture time (us, as the frame's header says) -> when the page sent it (epoch ms)
+const SENT_KEPT = 1000; // 20 s of frames: the gateway names the last speech frame of a turn by its capture time
 let lastTransit = null;
 let pendingUnderrun = null; // turn whose audio ran dry; its next frame tells who was late: network or gateway
 let stopping = false;
@@ -172,6 +177,7 @@ function onEvent(message) {
       break;
     case "metrics":
       turn(t).metrics = message;
+      measureHops(turn(t));
       renderLatency(turn(t));
       break;
     case "error":
@@ -192,11 +198,63 @@ function onPlayed(index, playedMs) {
     t.speech_end_ms = before[before.length - 1];
     t.v2v_ms = playedMs - t.speech_end_ms;
   }
-  renderLatency(t);
   if (state.transport === "webrtc") {
     // WebRTC hides when a packet arrived; the gateway's downlink stage then includes the browser's jitter buffer.
     sendControl({ type: "report", turn_index: index, first_audio_received_us: Math.round(playedMs * 1000) });
+    sampleRtcStats(t);
   }
+  measureHops(t);
+  renderLatency(t);
+}
+
+// Where a turn's voice-to-voice went, hop by hop (ms). The hops telescope: they add up to t.v2v_ms exactly.
+// - endpoint_alignment: the gateway's end of speech (the capture time of the last frame its ASR heard as speech)
+//   less the page's (its microphone level meter's); on WebRTC the gateway knows only when that frame arrived, so
+//   this hop is the whole uplink there (capture, Opus, network, aiortc's jitter buffer, resampling).
+// - capture_to_sent: that frame's capture -> the page sent it (WebSocket).
+// - sent_to_gateway: sent -> the gateway received it (WebSocket; the gateway's upload_ms less capture_to_sent).
+// - gateway: received -> the first reply frame sent (ASR, LLM, TTS and the gateway's own hold).
+// - downlink: sent -> the page received the first reply frame (WebSocket); on WebRTC, -> played, the whole way.
+// - buffer: received -> played: the jitter buffer and the audio output (WebSocket).
+function measureHops(t) {
+  const m = t.metrics;
+  if (!m || !t.played_ms || t.speech_end_ms === undefined || !m.speech_end_capture_us) return;
+  const speechEndMs = Number(m.speech_end_capture_us) / 1000;
+  const firstSentMs = Number(m.first_audio_sent_us) / 1000;
+  const uploadMs = m.upload_ms || 0;
+  const hops = { endpoint_alignment: speechEndMs - t.speech_end_ms };
+  if (t.transport === "websocket") {
+    const sentMs = sentAt.get(Number(m.speech_end_capture_us));
+    if (sentMs === undefined || !t.received_ms) return;
+    hops.capture_to_sent = sentMs - speechEndMs;
+    hops.sent_to_gateway = speechEndMs + uploadMs - sentMs;
+    hops.gateway = m.v2v_ms - uploadMs;
+    hops.downlink = t.received_ms - firstSentMs;
+    hops.buffer = t.played_ms - t.received_ms;
+  } else {
+    hops.gateway = m.v2v_ms - uploadMs;
+    hops.downlink = t.played_ms - firstSentMs;
+  }
+  t.hops = hops;
+}
+
+// WebRTC's receiver, from getStats: the mean jitter buffer delay so far, and audio it had to invent because
+// packets came late (concealed samples that were not silence), counted per turn from the first played sample.
+async function sampleRtcStats(t) {
+  if (!rtc) return;
+  const stats = await rtc.pc.getStats();
+  stats.forEach((report) => {
+    if (report.type !== "inbound-rtp" || report.kind !== "audio") return;
+    const concealed = (report.concealedSamples || 0) - (report.silentConcealedSamples || 0);
+    if (state.rtcConcealedAtTurn !== null) {
+      const previous = turn(state.rtcConcealedAtTurn.index);
+      previous.rtc_concealed_ms = ((concealed - state.rtcConcealedAtTurn.concealed) / ctx.sampleRate) * 1000;
+    }
+    state.rtcConcealedAtTurn = { index: t.index, concealed };
+    if (report.jitterBufferEmittedCount) {
+      state.rtcJitterBufferMs = (report.jitterBufferDelay / report.jitterBufferEmittedCount) * 1000;
+    }
+  });
 }
 
 function sendControl(message) {
@@ -261,6 +319,8 @@ function onCapture(message) {
     view.setUint32(8, uplinkSeq++, true);
     new Int16Array(data, HEADER_BYTES).set(message.pcm);
     ws.send(data);
+    sentAt.set(Number(view.getBigInt64(0, true)), performance.timeOrigin + performance.now());
+    if (sentAt.size > SENT_KEPT) sentAt.delete(sentAt.keys().next().value);
   }
 }
 
@@ -472,6 +532,7 @@ function startWebSocket(fallback) {
         t.received_ms = performance.timeOrigin + performance.now();
         const receivedUs = Math.round(t.received_ms * 1000);
         sendControl({ type: "report", turn_index: turnIndex, first_audio_received_us: receivedUs });
+        measureHops(t);
       }
       const pcm = new Int16Array(event.data.slice(HEADER_BYTES));
       player.port.postMessage({ type: "frame", turn: turnIndex, pcm }, [pcm.buffer]);

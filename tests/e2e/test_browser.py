@@ -16,6 +16,21 @@ TURN_TIMEOUT_S = 60.0
 
 # A turn is complete for the page once the user's words are transcribed and the reply has been heard.
 HEARD = "Object.values(s.turns).some((t) => t.user_text && t.reply_text && t.played_ms > 0)"
+# ... and the page has put together where its voice-to-voice went (the gateway's metrics come after the audio).
+HEARD_WITH_HOPS = "Object.values(s.turns).some((t) => t.user_text && t.played_ms > 0 && t.hops)"
+HOPS = {
+    "webrtc": {"endpoint_alignment", "gateway", "downlink"},
+    "websocket": {"endpoint_alignment", "capture_to_sent", "sent_to_gateway", "gateway", "downlink", "buffer"},
+}
+
+
+def check_hops(turn: dict) -> None:
+    """Every hop of the turn's path is there, and together they are the page's voice-to-voice."""
+    hops = turn["hops"]
+    assert set(hops) == HOPS[turn["transport"]], hops
+    assert sum(hops.values()) == pytest.approx(turn["v2v_ms"], abs=1.0), hops
+    metrics = turn["metrics"]
+    assert hops["gateway"] == pytest.approx(metrics["v2v_ms"] - metrics.get("upload_ms", 0), abs=0.01)
 
 
 def heard_turns(state: dict) -> list[dict]:
@@ -24,7 +39,7 @@ def heard_turns(state: dict) -> list[dict]:
 
 async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(playwright, web_gateway) -> None:
     async with page_talking(playwright, web_gateway, [1.0, load_clip("spk1_snt1"), 12.0]) as page:
-        state = await page.wait_until(HEARD, TURN_TIMEOUT_S)
+        state = await page.wait_until(HEARD_WITH_HOPS, TURN_TIMEOUT_S)
         shown = await page.page.inner_text("#conversation")
         latency_rows = await page.page.locator("#latency tbody tr").count()
         await page.page.click("#mic")  # stop: the gateway lets the reply finish, then ends the session
@@ -38,6 +53,7 @@ async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(pla
     assert "child" in turn["user_text"].lower() and "child" in shown.lower()
     assert turn["reply_text"].strip() and turn["reply_text"].strip()[:20] in shown
     assert turn["v2v_ms"] > 0, "the page measured voice-to-voice for the turn"
+    check_hops(turn)
     assert latency_rows >= 1
     assert ended["closed"]["code"] == 1000 and not ended["error"]
 
@@ -48,11 +64,12 @@ async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_comple
     # The candidates are dropped, as a network that blocks UDP would: ICE never connects, the timeout fires.
     microphone = [4.0, load_clip("spk1_snt1"), 12.0]
     async with page_talking(playwright, web_gateway, microphone, "?simulate=ice-blocked") as page:
-        state = await page.wait_until(f"s.transport === 'websocket' && {HEARD}", TURN_TIMEOUT_S)
+        state = await page.wait_until(f"s.transport === 'websocket' && {HEARD_WITH_HOPS}", TURN_TIMEOUT_S)
     assert state["fallbackReason"], "the page says why it left WebRTC"
     assert state["error"] in (None, ""), state["error"]
     turn = heard_turns(state)[0]
     assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
+    check_hops(turn)
     history = web_gateway.servicer.history(state["sessionId"])
     assert history and (history[0].role, history[0].text) == ("user", turn["user_text"])
 

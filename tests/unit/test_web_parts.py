@@ -16,7 +16,7 @@ from gateway.playout import Playout
 from gateway.protocol import CLOSE_REASON_BYTES, FRAME_HEADER, close_reason, event_message, parse_uplink_frame
 from gateway.session import ReplyFrame
 from gateway.settings import GatewaySettings
-from gateway.webrtc import ReplyTrack, WebRtcOptions, parse_ice_servers
+from gateway.webrtc import ReplyTrack, WebRtcOptions, hand_packets_on_at_once, parse_ice_servers
 from gateway.websocket import WebSocketTransport
 from voicemesh.errors import RequestError
 from voicemesh.v1 import audio_pb2, conversation_pb2, tts_pb2
@@ -172,3 +172,29 @@ def test_ice_host_candidates_follow_the_bind_address() -> None:
     assert WebRtcOptions.from_settings(GatewaySettings(host="10.1.2.3")).host_addresses == ["10.1.2.3"]
     options = WebRtcOptions.from_settings(GatewaySettings(host="0.0.0.0", ice_host_addresses="10.1.2.3, 10.1.2.4"))
     assert options.host_addresses == ["10.1.2.3", "10.1.2.4"]
+
+
+async def test_the_microphones_packets_are_decoded_after_one_packet_not_four() -> None:
+    from aiortc import RTCPeerConnection
+    from aiortc.rtp import RtpPacket
+
+    def handed_on_after(receiver: object) -> int:
+        """How many later packets arrive before the first one is handed to the decoder."""
+        buffer = receiver._RTCRtpReceiver__jitter_buffer  # type: ignore[attr-defined]
+        for seq in range(8):
+            packet = RtpPacket(payload_type=111, sequence_number=seq, timestamp=960 * seq, payload=b"x")
+            packet._data = b"x"  # type: ignore[attr-defined]  # what aiortc's receiver sets: the depacketized frame
+            _, frame = buffer.add(packet)
+            if frame is not None:
+                assert frame.timestamp == 0
+                return seq
+        raise AssertionError("no packet handed on after 8")
+
+    pc = RTCPeerConnection()
+    try:
+        default, ours = (pc.addTransceiver("audio").receiver for _ in range(2))
+        hand_packets_on_at_once(ours)
+        assert handed_on_after(default) == 4, "aiortc's own receiver waits for 4 more packets (the control)"
+        assert handed_on_after(ours) == 1
+    finally:
+        await pc.close()
