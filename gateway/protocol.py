@@ -3,7 +3,8 @@ data channel carries too.
 
   page -> gateway   text    first {"type": "start", "config": <SessionConfig as JSON>, "fallback": {...}?};
                             later {"type": "stop"}: the user is done; the last reply plays out, then the socket closes;
-                            {"type": "report", "turn_index", "first_audio_received_us"}: the downlink (ClientReport)
+                            {"type": "report", "turn_index", "first_audio_received_us"}: the downlink, and later
+                            its own hops, "first_audio_played_us" and "speech_end_frame_sent_us" (ClientReport)
                     binary  one 20 ms frame: 12-byte header <q capture_time_us><I seq> (little-endian, epoch us of
                             the page's clock, seq from 0 without gaps), then PCM16LE mono at input_sample_rate_hz
   gateway -> page   text    the Converse events as {"type": <event kind>, "turn_index": n, ...the event's fields},

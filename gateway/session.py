@@ -136,6 +136,7 @@ class Reply:
     usage: llm_pb2.Usage = field(default_factory=llm_pb2.Usage)
     first_frame_received_us: int = 0
     first_sent_us: int = 0
+    received_us: int = 0  # the client's report of when its first audio arrived
     metrics: conversation_pb2.TurnMetrics = field(default_factory=conversation_pb2.TurnMetrics)
     timeline: dict[str, int] = field(default_factory=dict)  # milestone -> epoch us, logged at the end of the turn
     span: Span | None = None  # the turn's root span; LLM and TTS spans join its trace
@@ -935,17 +936,30 @@ class Session:
             telemetry.timed_span(TRACER, "asr.compute", max(started_ns, capture_ns), done_ns, span, attributes)
 
     def on_client_report(self, report: conversation_pb2.ClientReport) -> None:
-        """The client says when a turn's first audio arrived: the downlink stage."""
+        """The client says when a turn's first audio arrived (the downlink stage) and, if it measures them, the hops
+        of its own path (`stages.CLIENT_HOPS`). A time out of order with the gateway's own is left out: the client's
+        clock is not this one (another machine), or the report is not about this turn."""
         reply = self._current if self._current is not None and self._current.turn_index == report.turn_index else None
         reply = reply or self._recent.get(report.turn_index)
-        if reply is None or not reply.first_sent_us or report.first_audio_received_us < reply.first_sent_us:
+        if reply is None or not reply.first_sent_us:
             return
-        downlink_ms = (report.first_audio_received_us - reply.first_sent_us) / 1000
-        telemetry.TURN_STAGE.labels("downlink").observe(downlink_ms / 1000)
+        received_us = report.first_audio_received_us
+        if received_us >= reply.first_sent_us:
+            reply.received_us = received_us
+            self._hop("downlink", reply, reply.first_sent_us, received_us)
+        if report.first_audio_played_us:
+            self._hop("playout", reply, reply.received_us or reply.first_sent_us, report.first_audio_played_us)
+        capture_us, sent_us = reply.metrics.speech_end_capture_us, report.speech_end_frame_sent_us
+        if sent_us and capture_us <= sent_us <= reply.receipt_us:
+            self._hop("capture_to_sent", reply, capture_us, sent_us)
+            self._hop("sent_to_gateway", reply, sent_us, reply.receipt_us)
+
+    def _hop(self, name: str, reply: Reply, start_us: int, end_us: int) -> None:
+        if not start_us or end_us < start_us:
+            return
+        telemetry.TURN_STAGE.labels(name).observe((end_us - start_us) / 1e6)
         if reply.span is not None:
-            telemetry.timed_span(
-                TRACER, "downlink", reply.first_sent_us * 1000, report.first_audio_received_us * 1000, reply.span
-            )
+            telemetry.timed_span(TRACER, stages.span_of(name), start_us * 1000, end_us * 1000, reply.span)
 
     async def _supervised(self, stage: str, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run one of the session's tasks. One that fails in a way nobody handled ends the session with an error

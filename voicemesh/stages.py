@@ -32,6 +32,14 @@ STAGES = (
     Stage("gateway_hold", None, queue=True),
     Stage("downlink", "downlink", queue=False),
 )
+CLIENT_HOPS = (
+    Stage("capture_to_sent", "client.capture_to_sent", queue=False),
+    Stage("sent_to_gateway", "client.sent_to_gateway", queue=False),
+    Stage("playout", "client.playout", queue=False),
+)
+"""Hops a client may report besides the downlink (`ClientReport`; the browser page does): they split the upload
+stage (capture -> sent -> the gateway's receipt) and add the client's jitter buffer and audio output (received ->
+audible). Histogram labels and span names like STAGES', kept apart because a gRPC client measures none of them."""
 STAGE_NAMES = tuple(stage.name for stage in STAGES)
 SPAN_NAMES = tuple(stage.span for stage in STAGES if stage.span is not None)
 QUEUE_STAGES = tuple(stage.name for stage in STAGES if stage.queue)
@@ -42,3 +50,8 @@ SERVER_STAGES = tuple(name for name in STAGE_NAMES if name != "downlink")
 def server_stages_ms(metrics: conversation_pb2.TurnMetrics) -> dict[str, float]:
     """The gateway's stage times of one turn, by stage name."""
     return {name: float(getattr(metrics, f"{name}_ms")) for name in SERVER_STAGES}
+
+
+def span_of(name: str) -> str:
+    """The trace span name of a stage or client hop, by its name."""
+    return next(stage.span or stage.name for stage in (*STAGES, *CLIENT_HOPS) if stage.name == name)

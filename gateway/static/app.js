@@ -231,6 +231,15 @@ function measureHops(t) {
     hops.gateway = m.v2v_ms - uploadMs;
     hops.downlink = t.received_ms - firstSentMs;
     hops.buffer = t.played_ms - t.received_ms;
+    if (!t.hops) {
+      // The gateway puts the page's own hops in the turn's trace and its stage histogram.
+      sendControl({
+        type: "report",
+        turn_index: t.index,
+        first_audio_played_us: Math.round(t.played_ms * 1000),
+        speech_end_frame_sent_us: Math.round(sentMs * 1000),
+      });
+    }
   } else {
     hops.gateway = m.v2v_ms - uploadMs;
     hops.downlink = t.played_ms - firstSentMs;

@@ -6,11 +6,14 @@ a turn over WebRTC, the automatic move to WebSocket when WebRTC fails, barge-in,
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.server import GatewaySettings, build_server
 from tests.conftest import free_port, load_clip
 from tests.e2e.conftest import page_talking
+from voicemesh import telemetry
 
 TURN_TIMEOUT_S = 60.0
 
@@ -63,13 +66,19 @@ async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_comple
 ) -> None:
     # The candidates are dropped, as a network that blocks UDP would: ICE never connects, the timeout fires.
     microphone = [4.0, load_clip("spk1_snt1"), 12.0]
+    playouts = telemetry.TURN_STAGE.labels("playout")._sum.get()
     async with page_talking(playwright, web_gateway, microphone, "?simulate=ice-blocked") as page:
         state = await page.wait_until(f"s.transport === 'websocket' && {HEARD_WITH_HOPS}", TURN_TIMEOUT_S)
+        for _ in range(50):  # the page's report of its hops is on its way to the gateway
+            if telemetry.TURN_STAGE.labels("playout")._sum.get() > playouts:
+                break
+            await asyncio.sleep(0.1)
     assert state["fallbackReason"], "the page says why it left WebRTC"
     assert state["error"] in (None, ""), state["error"]
     turn = heard_turns(state)[0]
     assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
     check_hops(turn)
+    assert telemetry.TURN_STAGE.labels("playout")._sum.get() > playouts, "the page reported its hops to the gateway"
     history = web_gateway.servicer.history(state["sessionId"])
     assert history and (history[0].role, history[0].text) == ("user", turn["user_text"])
 

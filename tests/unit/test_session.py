@@ -12,6 +12,7 @@ import pytest
 from gateway.options import PipelineOptions, SessionOptions
 from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
 from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
+from voicemesh import telemetry
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, tts_pb2
 
@@ -231,3 +232,33 @@ async def test_a_session_task_that_fails_unexpectedly_ends_the_session_with_an_e
     assert errors and errors[-1].stage == "asr" and errors[-1].code == "INTERNAL" and not errors[-1].recoverable
     assert items[-1].code == grpc.StatusCode.INTERNAL and "asr stage failed" in items[-1].message
     await session.close()
+
+
+async def test_a_clients_report_of_its_own_hops_goes_into_the_stage_histogram_and_one_out_of_order_does_not() -> None:
+    def total_ms(stage: str) -> float:
+        return telemetry.TURN_STAGE.labels(stage)._sum.get() * 1000
+
+    session, _ = await committed_reply("Hello there friend.")
+    try:
+        await play(session, 3 * FRAMES_PER_WORD)
+        (metrics,) = [event.metrics for kind, event in drain(session) if kind == "metrics"]
+        reply = session._recent[0]
+        capture_us, sent_us = metrics.speech_end_capture_us, metrics.first_audio_sent_us
+        reply.receipt_us = capture_us + 30_000  # the last speech frame reached the gateway 30 ms after its capture
+        before = {stage: total_ms(stage) for stage in ("downlink", "playout", "capture_to_sent", "sent_to_gateway")}
+        session.on_client_report(conversation_pb2.ClientReport(turn_index=0, first_audio_received_us=sent_us + 2_000))
+        session.on_client_report(
+            conversation_pb2.ClientReport(
+                turn_index=0, first_audio_played_us=sent_us + 62_000, speech_end_frame_sent_us=capture_us + 21_000
+            )
+        )
+        added = {stage: round(total_ms(stage) - ms, 3) for stage, ms in before.items()}
+        assert added == {"downlink": 2.0, "playout": 60.0, "capture_to_sent": 21.0, "sent_to_gateway": 9.0}
+
+        # A send time after the gateway's receipt is another clock (or another turn): left out, not a negative hop.
+        session.on_client_report(
+            conversation_pb2.ClientReport(turn_index=0, speech_end_frame_sent_us=reply.receipt_us + 5_000)
+        )
+        assert total_ms("sent_to_gateway") - before["sent_to_gateway"] == pytest.approx(9.0)
+    finally:
+        await session.close()
