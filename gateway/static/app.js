@@ -27,6 +27,7 @@ const option = {
 const JITTER_START_MS = Math.max(20, Number(params.get("jitter_ms") || 60));
 const JITTER_MAX_MS = 800;
 const UNDERRUN_STEP_MS = 40;
+const RTC_LOUD = 0.001; // a WebRTC packet's audio level (0-1, linear) above this is sound: -60 dBov, silence is 0
 const HEADER_BYTES = 12; // <q time_us><I seq or turn_index>, little-endian
 
 const $ = (id) => document.getElementById(id);
@@ -214,8 +215,9 @@ function onPlayed(index, playedMs) {
 // - capture_to_sent: that frame's capture -> the page sent it (WebSocket).
 // - sent_to_gateway: sent -> the gateway received it (WebSocket; the gateway's upload_ms less capture_to_sent).
 // - gateway: received -> the first reply frame sent (ASR, LLM, TTS and the gateway's own hold).
-// - downlink: sent -> the page received the first reply frame (WebSocket); on WebRTC, -> played, the whole way.
-// - buffer: received -> played: the jitter buffer and the audio output (WebSocket).
+// - downlink: sent -> the page received the first reply frame (WebSocket); on WebRTC, -> the receiver delivered
+//   its first audible packet to the track (see watchRtcSource), or -> played where that is unknown.
+// - buffer: received -> played: the jitter buffer and the audio output (WebSocket); delivered -> played (WebRTC).
 function measureHops(t) {
   const m = t.metrics;
   if (!m || !t.played_ms || t.speech_end_ms === undefined || !m.speech_end_capture_us) return;
@@ -240,6 +242,10 @@ function measureHops(t) {
         speech_end_frame_sent_us: Math.round(sentMs * 1000),
       });
     }
+  } else if (t.rtc_delivered_ms && t.rtc_delivered_ms <= t.played_ms) {
+    hops.gateway = m.v2v_ms - uploadMs;
+    hops.downlink = t.rtc_delivered_ms - firstSentMs; // Opus, the network, Chromium's jitter buffer, the decoder
+    hops.buffer = t.played_ms - t.rtc_delivered_ms; // the track -> the page's audio graph -> the output
   } else {
     hops.gateway = m.v2v_ms - uploadMs;
     hops.downlink = t.played_ms - firstSentMs;
@@ -451,6 +457,8 @@ async function startWebRtc() {
       state.rtcJitterTargetMs = event.receiver.jitterBufferTarget;
     }
     playRemote(event.streams[0] || new MediaStream([event.track]));
+    rtc.receiver = event.receiver;
+    rtc.sourceWatch = setInterval(watchRtcSource, 5);
   };
   // Once up, a connection that fails (the network changed, a firewall woke up) moves to WebSocket too.
   const failedAfterConnecting = () => {
@@ -502,8 +510,24 @@ function playRemote(stream) {
   rtc.remoteSource.connect(replyMeter);
 }
 
+// When the receiver handed the reply's first audible packet on to its track (after Chromium's jitter buffer and
+// decoder): getSynchronizationSources() says when (epoch ms) and how loud (the sender's RFC 6464 level), for the
+// packet most recently delivered. The onset of sound after silence belongs to the turn waiting for its reply.
+function watchRtcSource() {
+  if (!rtc || !rtc.receiver) return;
+  for (const source of rtc.receiver.getSynchronizationSources()) {
+    const loud = (source.audioLevel || 0) > RTC_LOUD;
+    if (loud && !rtc.loud) {
+      const pending = Object.values(state.turns).filter((t) => t.user_text && !t.rtc_delivered_ms && !t.interrupted);
+      if (pending.length) pending[pending.length - 1].rtc_delivered_ms = source.timestamp;
+    }
+    rtc.loud = loud;
+  }
+}
+
 function closeWebRtc() {
   if (!rtc) return;
+  clearInterval(rtc.sourceWatch);
   if (rtc.remoteSource) rtc.remoteSource.disconnect();
   rtc.pc.close();
   rtc = null;

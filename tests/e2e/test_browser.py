@@ -22,7 +22,7 @@ HEARD = "Object.values(s.turns).some((t) => t.user_text && t.reply_text && t.pla
 # ... and the page has put together where its voice-to-voice went (the gateway's metrics come after the audio).
 HEARD_WITH_HOPS = "Object.values(s.turns).some((t) => t.user_text && t.played_ms > 0 && t.hops)"
 HOPS = {
-    "webrtc": {"endpoint_alignment", "gateway", "downlink"},
+    "webrtc": {"endpoint_alignment", "gateway", "downlink", "buffer"},
     "websocket": {"endpoint_alignment", "capture_to_sent", "sent_to_gateway", "gateway", "downlink", "buffer"},
 }
 
