@@ -37,6 +37,17 @@ def _serve(argv: Sequence[str]) -> None:
     main(rest)
 
 
+def positive_int(raw: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is less than 1")
+    return value
+
+
 async def _up(args: argparse.Namespace) -> None:
     """The whole mesh on loopback until Ctrl-C or SIGTERM. On a terminal it prints a line per turn and problem;
     the services' JSON logs go to --log-dir (on the terminal instead with --json-logs, or when not a TTY)."""
@@ -50,7 +61,7 @@ async def _up(args: argparse.Namespace) -> None:
         service_token = secrets.token_urlsafe(24)
     # What was heard and replied goes into the gateway's turn log only here, for the person at the terminal.
     gateway_args = ["--log-transcripts=true"] if human else []
-    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token)
+    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token, cpus=args.cpus)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a supervisor's SIGTERM stops the children too
@@ -302,6 +313,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     up.add_argument("--json-logs", action="store_true", help="the services' JSON logs on the terminal, not a summary")
     up.add_argument("--tls", action="store_true", help="TLS on every hop (a throwaway CA; mutual TLS to the services)")
+    up.add_argument(
+        "--cpus",
+        type=positive_int,
+        default=None,
+        help="cores the mesh may use; each engine's threads are derived from it (default: this process's cores)",
+    )
 
     tr = sub.add_parser("transcribe", parents=[connection], help="stream a WAV into the ASR service")
     tr.add_argument("clip")

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2
 
+from voicemesh.cpus import available_cpus, budget_env
 from voicemesh.serving import health_check
 from voicemesh.tls import LocalCertificates
 
@@ -83,19 +84,24 @@ class Mesh:
         gateway_args: Sequence[str] = (),
         tls: LocalCertificates | None = None,
         service_token: str = "",
+        cpus: int | None = None,
     ) -> None:
         """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none).
+
+        The engines' threads come from one CPU budget of `cpus` cores (default: those this process may use), so
+        that they do not oversubscribe the box (`voicemesh.cpus`).
 
         With `tls`, every gRPC port serves TLS: the services want the gateway's client certificate (mutual TLS)
         and `service_token`, and each process answers probes on a plaintext health-only port."""
         secure: list[str] = []
         if tls is not None:
             secure = [f"--tls-cert={tls.server.cert_file}", f"--tls-key={tls.server.key_file}"]
+        budget = budget_env(cpus or available_cpus())
         for name in STAGES:
             args = [*secure, f"--tls-client-ca={tls.ca_file}"] if tls is not None else []
             if service_token:
                 args.append(f"--auth-token={service_token}")
-            self._start_guarded(name, ports[name], args, tls is not None or bool(service_token))
+            self._start_guarded(name, ports[name], args, tls is not None or bool(service_token), budget[name])
         targets = [f"--{name}-target=127.0.0.1:{ports[name]}" for name in STAGES]
         client = []
         if tls is not None:
@@ -109,12 +115,14 @@ class Mesh:
         gateway = [*targets, f"--http-port={http_port}", *secure, *client, *gateway_args]
         self._start_guarded("gateway", ports["gateway"], gateway, tls is not None)
 
-    def _start_guarded(self, name: str, port: int, args: list[str], guarded: bool) -> None:
+    def _start_guarded(
+        self, name: str, port: int, args: list[str], guarded: bool, env: dict[str, str] | None = None
+    ) -> None:
         if not guarded:
-            self.start(name, port, args)
+            self.start(name, port, args, env)
             return
         health_port = free_port()
-        process = self.start(name, port, [*args, f"--health-port={health_port}"])
+        process = self.start(name, port, [*args, f"--health-port={health_port}"], env)
         process.health_target = f"127.0.0.1:{health_port}"
 
     def restart(self, name: str) -> Process:

@@ -1,0 +1,58 @@
+"""One CPU budget for a box that runs the whole mesh: every engine's threads derived from how many cores it has.
+
+A turn's urgent work passes the stages one after another (the ASR's final decode, the LLM's prefill and first
+words, the TTS's first chunk); what overlaps is one session's urgent work with the others' continuations (the LLM
+decoding on, the TTS synthesizing later chunks). So the split gives:
+- the ASR one thread per decode and a decode worker per core (up to 4): tiny.en's greedy decode is step-bound, a
+  second thread does not speed it (a 2.5 s draft: 187 ms on 2 threads, 186 on 1), and coinciding finals each get
+  a core;
+- the LLM every core for the prefill (time to first token, urgent) and half of them for the decode, which only has
+  to stay ahead of playout;
+- the TTS half the cores per synthesis, so a first chunk does not fight a decode on all of them.
+
+Measured on 2 cores (`voicemesh loadtest`, a fresh local mesh per run, 3 turns, two rounds, interleaved), against
+the services' own defaults (LLM decode and TTS at 2 threads each, so 6 threads could be busy on 2 cores):
+- 4 sessions speaking at once: V2V p99 3860 / 2979 ms against 4240 / 3933 ms;
+- 1 session: V2V p50 559 / 489 ms against 662 / 600 ms, TTS first audio p50 84 / 89 ms against 129 / 161 ms.
+
+An explicit setting (a `VOICEMESH_*` variable, or a flag of `voicemesh serve`) wins over the budget.
+"""
+
+from __future__ import annotations
+
+import os
+
+MAX_ASR_WORKERS = 4
+
+
+def available_cpus() -> int:
+    """Cores this process may run on (its affinity, as `taskset` or a container's cpuset sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def thread_split(cpus: int) -> dict[str, int]:
+    """Each engine's threads for a mesh with `cpus` cores, by the `VOICEMESH_*` variable that sets them."""
+    if cpus < 1:
+        raise ValueError(f"cpus={cpus}: a mesh needs at least one core")
+    half = max(1, cpus // 2)
+    return {
+        "VOICEMESH_ASR_WORKERS": min(cpus, MAX_ASR_WORKERS),
+        "VOICEMESH_ASR_CPU_THREADS": 1,
+        "VOICEMESH_LLM_N_THREADS_BATCH": cpus,
+        "VOICEMESH_LLM_N_THREADS": half,
+        "VOICEMESH_TTS_INTRA_OP_THREADS": half,
+    }
+
+
+def budget_env(cpus: int, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """The variables each service of a local mesh gets, per service name; those already in `environ` (the
+    operator's own) are left to it."""
+    environ = dict(os.environ) if environ is None else environ
+    per_service: dict[str, dict[str, str]] = {"asr": {}, "llm": {}, "tts": {}}
+    for variable, value in thread_split(cpus).items():
+        if variable not in environ:
+            per_service[variable.split("_")[1].lower()][variable] = str(value)
+    return per_service
