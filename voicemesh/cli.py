@@ -374,7 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Flags left out are None: the defaults live in voicemesh.loadtest (LoadTestOptions, DEFAULT_BUDGET_MS).
     load.add_argument(
         "--target",
-        help="gateway HOST:PORT: its gRPC port, or its HTTP door with --transport ws (default: a local mesh)",
+        help="gateway HOST:PORT: its gRPC port, or its HTTP door with --transport ws (default: `voicemesh up`'s, "
+        "127.0.0.1:50051); an empty one (--target '') starts a local mesh for the test and stops it after",
     )
     load.add_argument("--sessions", type=int, help="concurrent sessions")
     load.add_argument("--turns", type=int, help="turns (clips spoken) per session")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,16 +213,32 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-@contextlib.contextmanager
-def local_mesh(log_prefix: str = "voicemesh-", door: str = "grpc") -> Iterator[str]:
-    """ASR, LLM, TTS and a gateway as processes on free loopback ports; yields the gateway's gRPC target, or with
-    `door` "ws" its HTTP door (otherwise not started)."""
+def _start_local_mesh(log_prefix: str, door: str) -> tuple[Mesh, str]:
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
     ports = {name: free_port() for name in DEFAULT_PORTS}
     http_port = free_port() if door == "ws" else -1
     mesh.start_local(ports, http_port=http_port)
+    return mesh, f"127.0.0.1:{http_port if door == 'ws' else ports['gateway']}"
+
+
+@contextlib.contextmanager
+def local_mesh(log_prefix: str = "voicemesh-", door: str = "grpc") -> Iterator[str]:
+    """ASR, LLM, TTS and a gateway as processes on free loopback ports; yields the gateway's gRPC target, or with
+    `door` "ws" its HTTP door (otherwise not started). For synchronous code; `started_local_mesh` in a loop."""
+    mesh, target = _start_local_mesh(log_prefix, door)
     try:
         asyncio.run(mesh.wait(timeout_s=240))
-        yield f"127.0.0.1:{http_port if door == 'ws' else ports['gateway']}"
+        yield target
+    finally:
+        mesh.stop_all()
+
+
+@contextlib.asynccontextmanager
+async def started_local_mesh(log_prefix: str = "voicemesh-", door: str = "grpc") -> AsyncIterator[str]:
+    """`local_mesh` from a running event loop."""
+    mesh, target = _start_local_mesh(log_prefix, door)
+    try:
+        await mesh.wait(timeout_s=240)
+        yield target
     finally:
         mesh.stop_all()

@@ -4,10 +4,12 @@ keys, the HTML pages, the speech-end rule and the pacing shared with `talk`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import wave
 import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from voicemesh.clients import Credentials
 from voicemesh.conversation import speech_end_sent_us
 from voicemesh.loadstats import Summary, summarize
 from voicemesh.loadtest import LoadTestError, LoadTestOptions, check_options, is_loopback, load_clips
+from voicemesh.loadtest import cli as loadtest_cli
 from voicemesh.loadtest.capacity import capacity, queue_growth, verdict
 from voicemesh.loadtest.cli import options_from_args, parse_levels
 from voicemesh.loadtest.driver import Rendezvous
@@ -456,3 +459,35 @@ async def test_sync_arrival_releases_a_turn_once_every_running_session_is_ready(
     assert not later.is_set()
     rendezvous.ready(1, 1)
     assert later.is_set()
+
+
+def _cli_args(**given: object) -> argparse.Namespace:
+    names = ("target", "sessions", "turns", "transport", "ramp_s", "arrival", "think_s", "duration_s", "turn_timeout_s")
+    flags = {**dict.fromkeys(names), "audio": ["a.wav"], "allow_remote": False, "sweep": None, "budget_ms": None}
+    return argparse.Namespace(**{**flags, "sweep_all": False, "out": None, **given})
+
+
+async def test_an_empty_target_runs_the_test_on_a_local_mesh_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    started: list[str] = []
+    tested: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def fake_mesh(prefix: str, door: str) -> AsyncIterator[str]:
+        started.append(door)
+        yield "127.0.0.1:9"
+
+    async def fake_loadtest(options: LoadTestOptions, out_dir: Path) -> object:
+        tested.append(options.target)
+        raise LoadTestError("stop here")
+
+    monkeypatch.setattr(loadtest_cli, "started_local_mesh", fake_mesh)
+    monkeypatch.setattr(loadtest_cli, "loadtest", fake_loadtest)
+    audio = [str(_wav(tmp_path / "a.wav"))]
+    assert await loadtest_cli.command(_cli_args(target="", audio=audio)) == 2
+    assert (started, tested) == (["grpc"], ["127.0.0.1:9"])
+
+    # Flags out of bounds are refused before any mesh starts.
+    assert await loadtest_cli.command(_cli_args(target="", audio=audio, sessions=0)) == 2
+    assert started == ["grpc"]

@@ -11,8 +11,9 @@ from pathlib import Path
 from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.loadtest.capacity import DEFAULT_BUDGET_MS, sweep
 from voicemesh.loadtest.driver import loadtest
-from voicemesh.loadtest.options import LoadTestError, LoadTestOptions
+from voicemesh.loadtest.options import LoadTestError, LoadTestOptions, check_options
 from voicemesh.loadtest.report import format_summary, format_sweep
+from voicemesh.mesh import started_local_mesh
 
 
 def parse_levels(text: str) -> list[int]:
@@ -57,18 +58,29 @@ def options_from_args(args: argparse.Namespace, credentials: Credentials = PLAIN
 
 
 async def command(args: argparse.Namespace, credentials: Credentials = PLAINTEXT) -> int:
-    """Prints the summary and the report paths; exit 1 when turns failed (or no sweep level fit), 2 when refused."""
-    out_dir = Path(args.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    """Prints the summary and the report paths; exit 1 when turns failed (or no sweep level fit), 2 when refused.
+    An empty `--target` starts a local mesh for the test (after the flags were checked) and stops it after."""
     try:
         options = options_from_args(args, credentials)
-        if args.sweep:
-            budget_ms = DEFAULT_BUDGET_MS if args.budget_ms is None else args.budget_ms
-            result = await sweep(options, parse_levels(args.sweep), budget_ms, out_dir, not args.sweep_all)
-            print(format_sweep(result))
-            return 0 if result.capacity_sessions else 1
-        report = await loadtest(options, out_dir)
+        levels = parse_levels(args.sweep) if args.sweep else None
+        if options.target:
+            return await _run(args, options, levels)
+        check_options(dataclasses.replace(options, target="127.0.0.1:1"))  # bad flags: refused before the mesh
+        print("starting a local mesh for the test (ASR, LLM, TTS, gateway)...", file=sys.stderr, flush=True)
+        async with started_local_mesh("voicemesh-loadtest-", door=options.transport) as target:
+            return await _run(args, dataclasses.replace(options, target=target), levels)
     except LoadTestError as error:
         print(f"loadtest: {error}", file=sys.stderr)
         return 2
+
+
+async def _run(args: argparse.Namespace, options: LoadTestOptions, levels: list[int] | None) -> int:
+    out_dir = Path(args.out or f"loadtest-results/{time.strftime('%Y%m%d-%H%M%S')}")
+    if levels:
+        budget_ms = DEFAULT_BUDGET_MS if args.budget_ms is None else args.budget_ms
+        result = await sweep(options, levels, budget_ms, out_dir, not args.sweep_all)
+        print(format_sweep(result))
+        return 0 if result.capacity_sessions else 1
+    report = await loadtest(options, out_dir)
     print(format_summary(report))
     return 0 if report.turns.ok == report.turns.planned else 1
