@@ -261,13 +261,7 @@ async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
 
     ports = {name: free_port() for name in ("asr", "llm", "tts", "gateway", "http")}
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix="voicemesh-bench-browser-"))
-    for name in ("asr", "llm", "tts"):
-        mesh.start(name, ports[name])
-    mesh.start(
-        "gateway",
-        ports["gateway"],
-        [f"--{n}-target=127.0.0.1:{ports[n]}" for n in ("asr", "llm", "tts")] + [f"--http-port={ports['http']}"],
-    )
+    mesh.start_local(ports, http_port=ports["http"])  # as `voicemesh up` runs it, on the CPU budget
     workdir = Path(tempfile.mkdtemp(prefix="voicemesh-bench-browser-"))
     questions = [read_wav(CLIPS / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "horizon")]
     parts: list[Clip | float] = [1.0]
