@@ -234,9 +234,9 @@ async def measure_grpc(target: str, clips: Sequence[Clip], turns: int) -> list[d
     measured: list[dict[str, float]] = []
     for index in range(turns):
         said, _, _ = await talk(target, trimmed(clips[index % len(clips)]), config, trailing_silence_s=6.0)
-        for turn in said[:1]:
-            if turn.v2v_ms is not None and turn.metrics is not None:
-                measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": turn.metrics.server.v2v_ms})
+        turn = said[0] if said else None
+        if turn is not None and turn.v2v_ms is not None and turn.metrics is not None:
+            measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": turn.metrics.server.v2v_ms})
     return measured
 
 
