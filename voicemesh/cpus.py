@@ -16,11 +16,25 @@ the services' own defaults (LLM decode and TTS at 2 threads each, so 6 threads c
 - 1 session: V2V p50 559 / 489 ms against 662 / 600 ms, TTS first audio p50 84 / 89 ms against 129 / 161 ms.
 
 An explicit setting (a `VOICEMESH_*` variable, or a flag of `voicemesh serve`) wins over the budget.
+
+Threads sharing the cores can also be told apart by urgency: work nobody waits on (the ASR's partial transcripts)
+runs on threads with a higher nice value, so the kernel gives it only what the urgent work of every process leaves
+idle (`background`). On Linux the nice value is per thread, and a thread inherits its creator's: an engine built
+in such a thread runs all its own threads at that value too.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+NICE = range(0, 20)
+"""Nice values a background thread may take (0: same priority as the rest)."""
 
 MAX_ASR_WORKERS = 4
 
@@ -56,3 +70,40 @@ def budget_env(cpus: int, environ: dict[str, str] | None = None) -> dict[str, di
         if variable not in environ:
             per_service[variable.split("_")[1].lower()][variable] = str(value)
     return per_service
+
+
+def lower_this_thread(nice: int) -> None:
+    """Give the calling thread (and the threads it starts from now on) nice value `nice`, if that is lower
+    priority than it has. Linux only, where nice is per thread; elsewhere it would renice the whole process, so it
+    does nothing. Raising priority back would need CAP_SYS_NICE, so callers keep such threads for such work."""
+    if nice not in NICE:
+        raise ValueError(f"nice={nice} out of range; use 0-19")
+    if sys.platform.startswith("linux") and nice > os.getpriority(os.PRIO_PROCESS, 0):
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+
+
+def background(nice: int, build: Callable[[], T]) -> T:
+    """`build()` run in a fresh thread at nice value `nice`: an engine it creates starts its worker threads
+    there, so they inherit the value (CTranslate2's decode threads, for one)."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            lower_this_thread(nice)
+            result.append(build())
+        except BaseException as error:  # handed back to the caller's thread
+            failure.append(error)
+
+    thread = threading.Thread(target=run, name=f"nice{nice}-build")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def thread_nice(native_id: int) -> int:
+    """The nice value of one thread of this process (Linux), as the kernel reports it."""
+    with open(f"/proc/self/task/{native_id}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[16])

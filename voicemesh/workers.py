@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import itertools
 import time
@@ -11,6 +12,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from voicemesh import cpus
 
 R = TypeVar("R")
 
@@ -23,16 +26,24 @@ class Timed(Generic[R]):
 
 
 class WorkerPool:
-    """At most `workers` jobs at once; a waiting job with a lower `priority` number starts first, then FIFO."""
+    """At most `workers` jobs at once; a waiting job with a lower `priority` number starts first, then FIFO.
 
-    def __init__(self, workers: int, name: str) -> None:
+    With `nice` > 0 its threads run at that nice value (voicemesh/cpus.py): for work that may wait for idle cores.
+    """
+
+    def __init__(self, workers: int, name: str, nice: int = 0) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
+        if nice not in cpus.NICE:
+            raise ValueError(f"nice={nice} out of range; use 0-19")
+        self.nice = nice
         self.workers = workers
         self._free = workers
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._order = itertools.count()
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix=name)
+        self._executor = ThreadPoolExecutor(
+            workers, thread_name_prefix=name, initializer=functools.partial(cpus.lower_this_thread, nice)
+        )
 
     @property
     def waiting(self) -> int:

@@ -42,6 +42,7 @@ class RecognitionStream:
         emit: Callable[[asr_pb2.RecognizeEvent], None],
         scorer: TurnScorer | None = None,
         fail: Callable[[BaseException], None] | None = None,
+        partials: tuple[Transcriber, WorkerPool] | None = None,
     ) -> None:
         self.config = config
         capabilities = transcriber.capabilities
@@ -57,6 +58,9 @@ class RecognitionStream:
         self._endpointer = Endpointer(policy, WINDOW_MS, awaits_scores=config.turn_scores and scorer is not None)
         self._transcriber = transcriber
         self._pool = pool
+        # Partials (captions, not on anyone's critical path) may have a model and threads of their own, at a lower
+        # priority; by default they share the drafts' and finals' model and pool, behind them.
+        self._partial_transcriber, self._partial_pool = partials or (transcriber, pool)
         self._emit = emit
         self._fail = fail  # a decode or score that raised ends the call (else the turn would be lost in silence)
         self._resampler = StreamResampler(config.sample_rate_hz, SAMPLE_RATE_HZ)
@@ -289,15 +293,15 @@ class RecognitionStream:
             return  # one partial in flight per stream
         if self._draft is not None and not self._draft.done():
             return  # a draft in flight will serve as the partial
-        if self._pool.waiting:
+        if self._partial_pool.waiting:
             return  # partials are optional: shed them when decodes are queueing
         self._last_partial_ms = ep.now_ms
         audio, _ = self._turn_audio()
         turn = self.turn_index
 
         async def partial() -> None:
-            result = await self._pool.run(
-                self._transcriber.transcribe, audio, self._partial_options, priority=PARTIAL_PRIORITY
+            result = await self._partial_pool.run(
+                self._partial_transcriber.transcribe, audio, self._partial_options, priority=PARTIAL_PRIORITY
             )
             text = result.result.text
             if self.turn_index != turn or not text or not self._endpointer.in_turn:

@@ -1,14 +1,17 @@
 """One CPU budget for the box: each engine's threads derived from the mesh's cores, the operator's own settings
-left alone, and a local mesh's services started with them."""
+left alone, and a local mesh's services started with them; background work on threads of a higher nice value."""
 
 from __future__ import annotations
 
 import subprocess
+import sys
+import threading
 
 import pytest
 
-from voicemesh.cpus import budget_env, thread_split
+from voicemesh.cpus import background, budget_env, lower_this_thread, thread_nice, thread_split
 from voicemesh.mesh import Mesh
+from voicemesh.workers import WorkerPool
 
 
 @pytest.mark.parametrize("cpus", [1, 2, 3, 4, 8, 64])
@@ -60,3 +63,40 @@ def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.Mon
     assert started["tts"] == {"VOICEMESH_TTS_INTRA_OP_THREADS": "1"}
     assert started["asr"] == {"VOICEMESH_ASR_WORKERS": "2", "VOICEMESH_ASR_CPU_THREADS": "1"}
     assert started["gateway"] == {}
+
+
+def _nice_of_this_thread() -> int:
+    return thread_nice(threading.get_native_id())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread only on Linux")
+def test_an_engine_built_in_the_background_runs_its_own_threads_at_that_nice_value() -> None:
+    def build() -> tuple[int, int]:
+        seen: list[int] = []
+        worker = threading.Thread(target=lambda: seen.append(_nice_of_this_thread()))  # as an engine's pool would
+        worker.start()
+        worker.join()
+        return _nice_of_this_thread(), seen[0]
+
+    assert background(7, build) == (7, 7)
+    assert _nice_of_this_thread() == 0, "the caller's own thread keeps its priority"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="nice is per thread only on Linux")
+async def test_a_worker_pool_for_background_work_runs_its_jobs_at_its_nice_value() -> None:
+    background_pool, urgent_pool = WorkerPool(1, "test-background", nice=9), WorkerPool(1, "test-urgent")
+    assert (await background_pool.run(_nice_of_this_thread)).result == 9
+    assert (await urgent_pool.run(_nice_of_this_thread)).result == 0
+
+
+def test_a_nice_value_out_of_range_is_refused_and_a_failed_build_raises_in_the_caller() -> None:
+    with pytest.raises(ValueError, match="0-19"):
+        WorkerPool(1, "test", nice=20)
+    with pytest.raises(ValueError, match="0-19"):
+        lower_this_thread(-1)
+
+    def broken() -> None:
+        raise RuntimeError("model file missing")
+
+    with pytest.raises(RuntimeError, match="model file missing"):
+        background(3, broken)

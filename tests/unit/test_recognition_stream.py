@@ -54,12 +54,15 @@ class FakeTranscriber:
 
 
 async def _stream_events(
-    transcriber: FakeTranscriber, config: asr_pb2.RecognitionConfig
+    transcriber: FakeTranscriber,
+    config: asr_pb2.RecognitionConfig,
+    partials: tuple[FakeTranscriber, WorkerPool] | None = None,
 ) -> list[asr_pb2.RecognizeEvent]:
     events: list[asr_pb2.RecognizeEvent] = []
     policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
     vad = transcriber.vad
-    stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), events.append)
+    pool = WorkerPool(1, "test-asr")
+    stream = RecognitionStream(config, policy, vad, transcriber, pool, events.append, partials=partials)
     # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
     tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
     for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
@@ -112,6 +115,17 @@ async def test_an_engine_without_a_trimmed_decode_or_word_timings_is_not_asked_f
     await _stream_events(transcriber, asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000))
     assert transcriber.options
     assert not any(options.trimmed or options.word_timings for options in transcriber.options)
+
+
+async def test_partials_go_to_their_own_decoder_and_threads_when_the_service_has_one() -> None:
+    vad = FakeVad()
+    finals, captions = FakeTranscriber(vad), FakeTranscriber(vad)
+    background = WorkerPool(1, "test-asr-partial", nice=5)
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, interim_results=True)
+    kinds = [event.WhichOneof("event") for event in await _stream_events(finals, config, (captions, background))]
+    assert "partial" in kinds and kinds.count("final") == 1
+    assert captions.calls and all(not options.word_timings for options in captions.options), "partials only"
+    assert all(options.word_timings for options in finals.options), "the finals' model decoded no partial"
 
 
 async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:
