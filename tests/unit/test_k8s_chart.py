@@ -580,3 +580,23 @@ def test_image_contract_catches_root_and_a_wrong_entrypoint(tmp_path):
     assert "tts.Dockerfile: runs as root" in problems
     assert "tts.Dockerfile: ENTRYPOINT is not voicemesh serve tts" in problems
     assert dockerfiles.dockerfile_problems(settings.IMAGES_DIR / "tts.Dockerfile")[0] == []
+
+
+def test_a_shared_node_splits_one_cpu_budget_between_the_stages_as_voicemesh_up_does(rendered):
+    sys.path.insert(0, str(ROOT))
+    from voicemesh.cpus import thread_split  # stdlib only: the one definition of the split
+
+    env = {}
+    for component in BACKENDS:
+        env |= env_of(deployment(rendered["cpu-small"], component))
+    assert {name: env[name] for name in thread_split(4)} == {name: str(n) for name, n in thread_split(4).items()}
+    for cpus in (1, 2, 6):
+        result = with_credentials(set_values={"sharedNode": {"cpus": cpus}})
+        env = {}
+        for component in BACKENDS:
+            env |= env_of(deployment(result, component))
+        assert {name: env[name] for name in thread_split(cpus)} == {
+            name: str(n) for name, n in thread_split(cpus).items()
+        }
+    own = env_of(deployment(rendered["default"], "llm"))
+    assert "VOICEMESH_LLM_N_THREADS_BATCH" not in own, "without a shared node each pod keeps its own values"

@@ -458,11 +458,16 @@ true
 {{- $prefix := include "voicemesh.envPrefix" . -}}
 {{- $modelPath := include "voicemesh.modelSubPath" . -}}
 {{- $mount := .root.Values.models.volume.mountPath -}}
+{{- $cpus := int .root.Values.sharedNode.cpus -}}
+{{- if lt $cpus 0 }}
+{{- fail (printf "sharedNode.cpus must be 0 (off) or the node's cores, not %d" $cpus) }}
+{{- end }}
+{{- $half := max 1 (div $cpus 2) -}}
 {{- if eq .component "asr" }}
 - name: {{ $prefix }}CPU_THREADS
-  value: {{ $c.cpuThreads | quote }}
+  value: {{ ternary 1 $c.cpuThreads (gt $cpus 0) | quote }}
 - name: {{ $prefix }}WORKERS
-  value: {{ $c.workers | quote }}
+  value: {{ ternary (min $cpus 4) $c.workers (gt $cpus 0) | quote }}
 {{- if not (has $c.turnModel (list "smart-turn" "text")) }}
 {{- fail (printf "asr.turnModel must be smart-turn or text, not %q" $c.turnModel) }}
 {{- end }}
@@ -482,7 +487,11 @@ true
 - name: {{ $prefix }}ENGINE
   value: {{ $c.engine | quote }}
 - name: {{ $prefix }}N_THREADS
-  value: {{ $c.nThreads | quote }}
+  value: {{ ternary $half $c.nThreads (gt $cpus 0) | quote }}
+{{- if gt $cpus 0 }}
+- name: {{ $prefix }}N_THREADS_BATCH
+  value: {{ $cpus | quote }}
+{{- end }}
 - name: {{ $prefix }}MAX_NUM_SEQS
   value: {{ $c.maxNumSeqs | quote }}
 - name: {{ $prefix }}MAX_NUM_BATCHED_TOKENS
@@ -495,7 +504,7 @@ true
 {{- end }}
 {{- else if eq .component "tts" }}
 - name: {{ $prefix }}INTRA_OP_THREADS
-  value: {{ $c.intraOpThreads | quote }}
+  value: {{ ternary $half $c.intraOpThreads (gt $cpus 0) | quote }}
 - name: {{ $prefix }}WORKERS
   value: {{ $c.workers | quote }}
 {{- if $modelPath }}
