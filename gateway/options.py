@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from gateway.turn import TurnPolicy
 from voicemesh.endpointing import EndpointingPolicy, policy_from, to_proto
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
-from voicemesh.limits import INPUT_RATES, LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
+from voicemesh.limits import INPUT_RATES, LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES, URGENT_WORDS
 from voicemesh.v1 import asr_pb2, conversation_pb2, tts_pb2
 
 MAX_SYSTEM_PROMPT_CHARS = 2000
@@ -48,6 +48,14 @@ class PipelineOptions:
     """End-of-turn detection for the ASR (voicemesh/endpointing.py has the defaults and ranges): the reply starts,
     unheard, at the first silent window; the turn commits after a hangover that the pause's completeness score
     picks, and only then is the reply heard."""
+
+    @property
+    def urgent_words(self) -> int:
+        """Words of a reply its listener waits for before the first audio: with word chunking the TTS's first
+        chunk, its first `tts_lookahead_words` words; otherwise the first sentence, or all."""
+        if self.tts_chunking == tts_pb2.CHUNKING_POLICY_WORDS and not self.buffer_whole_reply:
+            return self.tts_lookahead_words
+        return URGENT_WORDS.high
 
     def turn_policy(self) -> TurnPolicy:
         return TurnPolicy(

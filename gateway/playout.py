@@ -33,6 +33,9 @@ class Playout(Generic[FrameT]):
     bursts more). Each frame that leaves goes to `on_played` with its send time in epoch microseconds, in order,
     so the session knows what was heard. Frames leave only through `run` or `take`, so a `pause` or a `flush`
     takes effect before the next frame: within one frame.
+
+    A frame pushed after the listener's lead ran out (the reply's next audio came late) leaves a gap in what is
+    heard; `gap_s` sums those gaps since the last `flush` (which ends a reply).
     """
 
     def __init__(
@@ -50,6 +53,7 @@ class Playout(Generic[FrameT]):
         self._next_due_s: float | None = None  # on `clock`; None: the next frame starts a lead
         self._paused = False
         self._changed = asyncio.Event()
+        self.gap_s = 0.0
 
     @property
     def queued(self) -> int:
@@ -80,6 +84,7 @@ class Playout(Generic[FrameT]):
         self._frames.clear()
         self._paused = False
         self._next_due_s = None  # the next reply starts with a fresh lead
+        self.gap_s = 0.0
         self._changed.set()
         return dropped
 
@@ -98,7 +103,10 @@ class Playout(Generic[FrameT]):
             return None
         now = self._clock()
         earliest = now - self._lead_s
-        if self._next_due_s is None or self._next_due_s < earliest:
+        if self._next_due_s is None:
+            self._next_due_s = earliest
+        elif self._next_due_s < earliest:  # the listener has played all it had (its lead too) for this long
+            self.gap_s += earliest - self._next_due_s
             self._next_due_s = earliest
         return max(0.0, self._next_due_s - now)
 

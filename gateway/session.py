@@ -538,6 +538,7 @@ class Session:
             max_tokens=self.pipeline.max_tokens,
             # The LLM says how finished the user's words sound; the ASR waits for the pause accordingly.
             score_turn_end=bool(reply.pause_id) and not self.pipeline.endpointing.fixed_hangover,
+            urgent_words=self.pipeline.urgent_words,
         )
         whole = self.pipeline.buffer_whole_reply
         stream = self.backends.generate(request, telemetry.metadata_for(reply.span))
@@ -576,6 +577,7 @@ class Session:
                 self._tts_text(reply, full)
             self._tts_flush(reply)
             reply.llm_done = True
+            reply.mark("llm_done")
         except asyncio.CancelledError:
             await stream.aclose()  # cancels the call: frees the LLM slot at once
             raise
@@ -695,7 +697,7 @@ class Session:
         self._apply(self.turns.on_reply_failed(reply.utterance_id))
 
     def _interrupt(self, reply: Reply) -> None:
-        dropped = self.playout.flush()  # first: what was heard ends here
+        dropped = self._flush_playout(reply)  # first: what was heard ends here
         spoken = " ".join(reply.spoken_chunks)
         self._cancel_reply(reply)
         log.info(
@@ -712,7 +714,7 @@ class Session:
         """History gets what was said aloud (marked when cut short); the turn's metrics go out; back to listening.
 
         Audio of the reply not played yet (a failed stage ends the turn too) is dropped."""
-        self.playout.flush()
+        self._flush_playout(reply)
         self._replies.pop(reply.utterance_id, None)
         text = " ".join(reply.spoken_chunks)
         if text:
@@ -804,6 +806,8 @@ class Session:
                 reply.first_frame_received_us = epoch_us()
                 reply.metrics.tts_queue_ms = event.audio.timing.queue_ms
                 reply.metrics.tts_first_audio_ms = event.audio.timing.compute_ms
+            elif event.audio.chunk_index == 1:
+                reply.mark("tts_second_chunk")
             reply.frames.append(event.audio)
             if event.audio.chunk_end:
                 reply.synthesized.append(event.audio.text)
@@ -812,6 +816,7 @@ class Session:
             reply = self._replies.get(event.done.utterance_id)
             if reply is not None:
                 reply.tts_done = True
+                reply.mark("tts_done")
                 self._release(reply)
 
     # ---- playout -------------------------------------------------------------------------------------------
@@ -825,6 +830,12 @@ class Session:
             self.playout.push(ReplyFrame(reply.turn_index, reply.frames_released, reply.frames.popleft()))
             reply.frames_released += 1
         self._finish_if_played(reply)
+
+    def _flush_playout(self, reply: Reply) -> int:
+        """End the reply's playout (dropping what is queued; returns how many frames); the gaps its listener heard
+        go into its metrics."""
+        reply.metrics.reply_gap_ms = max(reply.metrics.reply_gap_ms, round(self.playout.gap_s * 1000, 1))
+        return self.playout.flush()
 
     def _played(self, frame: ReplyFrame, sent_us: int) -> None:
         """The transport sent a frame: it was heard, so its text counts as spoken (history, `interrupted`)."""
@@ -896,6 +907,7 @@ class Session:
                 "session_id": self.options.session_id,
                 "turn": reply.turn_index,
                 "v2v_ms": round(metrics.v2v_ms, 1),
+                "reply_gap_ms": metrics.reply_gap_ms,
                 "timeline_ms": {k: round((v - origin) / 1000, 1) for k, v in reply.timeline.items()},
                 **spoken,
             },

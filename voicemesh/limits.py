@@ -43,6 +43,8 @@ class Rates:
 
 MAX_TOKENS = Range(1, 512, 48)
 """Tokens one reply may generate."""
+URGENT_WORDS = Range(1, 32, 4)
+"""Words at the start of a reply that a listener waits for: an LLM replica does not hand its slot on before them."""
 LOOKAHEAD_WORDS = Range(1, 4, 2)
 """Words the TTS waits for beyond a chunk before synthesizing it (a 1-2 word lookahead keeps prosody)."""
 INPUT_RATES = Rates((16000, 48000))

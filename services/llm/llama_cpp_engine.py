@@ -27,6 +27,22 @@ log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 5.0
 KEEPALIVE_S = 0.25  # a reply waiting to get its slot back says so this often (callers count 1 s of silence as hung)
+SPEECH_CHARS_PER_S = 15.0  # how fast reply text is spoken (Piper's voices: ~150 words a minute)
+# A reply's next words must start this long before its audio would run dry: the TTS's next chunk (up to twice the
+# words of the one before) has to be written, at 50-100 ms a token with the cores shared, and synthesized.
+REFILL_S = 1.0
+# A new call's first words are due this long after it arrives, so a reply whose audio would run dry sooner goes
+# first. With 4 sessions speaking at once on 2 cores (3 x 12 turns each): due at arrival and REFILL_S 0.5, 17 of
+# 36 replies ran dry (9.5 s in all); with these two, 8 (1.3 s in all, none past 0.4 s) at the same V2V.
+NEW_CALL_DUE_S = 0.5
+# A reply yields only to a deadline this much earlier than its own: a swap costs a KV state save and load, and two
+# replies with close deadlines would otherwise trade the slot every token.
+SWAP_S = 0.25
+
+
+def speech_s(text: str) -> float:
+    """About how long `text` takes to say."""
+    return len(text) / SPEECH_CHARS_PER_S
 
 
 def default_model_path(cache_dir: Path | None = None) -> Path:
@@ -56,8 +72,22 @@ class _Slot:
 @dataclass
 class _Waiter:
     session_id: str
-    urgent: bool = True  # a reply's first words; False: the rest of a reply that gave its slot up for one
+    deadline: float  # on time.monotonic: when the call needs the slot (waiters are served earliest deadline first)
     future: asyncio.Future[_Slot] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _Playout:
+    """When a reply's audio will run dry, as far as the engine can tell: it starts playing about when its urgent
+    words are out (`started`, on time.monotonic) and lasts as long as its text takes to say."""
+
+    started: float | None = None
+    text: str = ""  # streamed before the current run (a reply that gave its slot up and got it back)
+
+    def deadline(self, said: str = "") -> float:
+        """When the reply's next words are needed, having streamed `said` in the current run too."""
+        assert self.started is not None
+        return self.started + speech_s(self.text + said) - REFILL_S
 
 
 @dataclass(frozen=True)
@@ -94,7 +124,7 @@ class SavedState:
 
 @dataclass(frozen=True)
 class _Yielded:
-    """A reply stopped between two tokens so that a new turn's first words could have its slot."""
+    """A reply stopped between two tokens so that a call with an earlier deadline could have its slot."""
 
     text: str  # what it had streamed
     completion_tokens: int
@@ -120,10 +150,15 @@ class LlamaCppEngine:
         yield_to_new_turns: bool = True,
     ) -> None:
         self.model_path = model_path
-        # A reply past its first words gives its slot up, between two tokens, to a new turn waiting for one: that
-        # turn's first words are on a user's critical path, the rest of the reply only has to stay ahead of playout.
+        # Calls are served earliest deadline first. A new call is due soon after it arrives: its listener waits.
+        # A reply past its urgent words (those its listener waits for: the TTS's first chunk) only has to stay
+        # ahead of its playout, so its deadline is when its audio would run dry (less REFILL_S); between two tokens
+        # it gives its slot up to any waiter with an earlier deadline, and waits for it back as one. Yielding
+        # after the first token instead made the reply wait for every newer turn's first words before its own
+        # first chunk could be synthesized: with four sessions speaking at once, +1.1-1.6 s on a quarter of the
+        # turns (voicemesh loadtest); and a reply that waited for them without a deadline ran dry for seconds.
         self.yield_to_new_turns = yield_to_new_turns
-        self._urgent_waiting = 0  # urgent waiters; read by generation threads between tokens
+        self._earliest_waiting = float("inf")  # the waiters' earliest deadline; read by generation threads
         self.model_name = model_path.stem
         self.n_threads = n_threads
         self.n_threads_batch = n_threads_batch
@@ -167,15 +202,16 @@ class LlamaCppEngine:
         return len(self._slots[0].llama.tokenize(text.encode(), add_bos=True))
 
     # ---- slots -----------------------------------------------------------------------------------------
-    async def _acquire(self, session_id: str, urgent: bool = True) -> _Slot:
+    async def _acquire(self, session_id: str, deadline: float | None = None) -> _Slot:
+        """A slot for the call; `deadline` (time.monotonic) orders the waiters, None: a new call's."""
         free = [slot for slot in self._slots if not slot.busy]
         if free and not self._waiters:
             slot = next((s for s in free if s.session_id == session_id), free[0])
             slot.busy = True
             return slot
-        waiter = _Waiter(session_id, urgent)
+        waiter = _Waiter(session_id, time.monotonic() + NEW_CALL_DUE_S if deadline is None else deadline)
         self._waiters.append(waiter)
-        self._urgent_waiting += urgent
+        self._earliest_waiting = min(self._earliest_waiting, waiter.deadline)
         try:
             return await waiter.future
         except asyncio.CancelledError:
@@ -183,15 +219,18 @@ class LlamaCppEngine:
                 self._release(waiter.future.result())
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
-                self._urgent_waiting -= urgent
+                self._update_earliest()
             raise
 
+    def _update_earliest(self) -> None:
+        self._earliest_waiting = min((w.deadline for w in self._waiters), default=float("inf"))
+
     def _release(self, slot: _Slot) -> None:
-        """Hand the slot to the next waiter: a new turn's first words before the rest of a reply, else in order."""
+        """Hand the slot to the waiter with the earliest deadline (in arrival order among equals)."""
         while self._waiters:
-            waiter = next((w for w in self._waiters if w.urgent), self._waiters[0])
+            waiter = min(self._waiters, key=lambda w: w.deadline)
             self._waiters.remove(waiter)
-            self._urgent_waiting -= waiter.urgent
+            self._update_earliest()
             if not waiter.future.done():
                 waiter.future.set_result(slot)  # stays busy, handed over
                 return
@@ -202,18 +241,22 @@ class LlamaCppEngine:
         enqueued = time.monotonic_ns()
         slot = await self._acquire(request.session_id)
         queue_ms = (time.monotonic_ns() - enqueued) / 1e6
-        first, streamed, completion = True, "", 0
+        first, completion = True, 0
+        playout = _Playout()
         while True:
             part = request
-            if streamed:  # it gave its slot up: carry on after what it streamed, from its saved state
+            if playout.text:  # it gave its slot up: carry on after what it streamed, from its saved state
                 part = dataclasses.replace(
                     request,
-                    reply_prefix=request.reply_prefix + streamed,
+                    reply_prefix=request.reply_prefix + playout.text,
                     max_tokens=max(1, request.max_tokens - completion),
                     score_turn_end=False,
+                    urgent_words=0,  # they were streamed before it gave its slot up
                 )
             yielded: _Yielded | None = None
-            async with contextlib.aclosing(self._run(slot, part)) as run:  # closed at once: that frees the slot
+            async with contextlib.aclosing(
+                self._run(slot, part, playout)
+            ) as run:  # closed at once: that frees the slot
                 async for item in run:
                     if isinstance(item, _Yielded):
                         yielded = item
@@ -225,9 +268,9 @@ class LlamaCppEngine:
                     yield item
             if yielded is None:
                 return
-            streamed += yielded.text
+            playout.text += yielded.text
             completion += yielded.completion_tokens
-            acquire = asyncio.ensure_future(self._acquire(request.session_id, urgent=False))
+            acquire = asyncio.ensure_future(self._acquire(request.session_id, playout.deadline()))
             try:
                 while not (await asyncio.wait({acquire}, timeout=KEEPALIVE_S))[0]:
                     yield GenerationChunk()  # no text yet: the caller's watchdog hears a live replica
@@ -236,7 +279,9 @@ class LlamaCppEngine:
                     acquire.cancel()  # the caller gave up while it waited: its place in line goes
             slot = acquire.result()
 
-    async def _run(self, slot: _Slot, request: GenerationRequest) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
+    async def _run(
+        self, slot: _Slot, request: GenerationRequest, playout: _Playout
+    ) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
         """One generation on `slot` in a thread; the slot is released when the thread is done with it."""
         loop = asyncio.get_running_loop()
         chunks: asyncio.Queue[GenerationChunk | _Yielded | BaseException | None] = asyncio.Queue()
@@ -247,7 +292,7 @@ class LlamaCppEngine:
 
         def run() -> None:
             try:
-                self._generate_blocking(slot, request, cancel, put)
+                self._generate_blocking(slot, request, playout, cancel, put)
             except BaseException as exc:  # handed to the caller, not lost in the thread
                 put(exc)
             finally:
@@ -271,6 +316,7 @@ class LlamaCppEngine:
         self,
         slot: _Slot,
         request: GenerationRequest,
+        playout: _Playout,
         cancel: threading.Event,
         put: Callable[[GenerationChunk | _Yielded], None],
     ) -> None:
@@ -316,7 +362,13 @@ class LlamaCppEngine:
             for part in stream:
                 if cancel.is_set():
                     break
-                if self.yield_to_new_turns and self._urgent_waiting and not first and said.strip():
+                if playout.started is None and past_urgent(said, request.urgent_words):
+                    playout.started = time.monotonic()
+                if (
+                    self.yield_to_new_turns
+                    and playout.started is not None
+                    and self._earliest_waiting < playout.deadline(said) - SWAP_S
+                ):
                     self._save_state(request.session_id, llama)  # it goes on from here, on this slot or another
                     put(_Yielded(said, completion))
                     return
@@ -411,6 +463,12 @@ class LlamaCppEngine:
         for slot in self._slots:
             slot.llama.close()
         self._slots = []
+
+
+def past_urgent(said: str, urgent_words: int) -> bool:
+    """Whether `said` holds more than its `urgent_words` complete words and at least one token (a word is complete
+    once the next one has started)."""
+    return bool(said.strip()) and len(said.split()) > urgent_words
 
 
 def end_tokens(llama: Llama) -> np.ndarray:

@@ -16,7 +16,7 @@ from services.llm.engine import Engine, GenerationRequest, Message
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
-from voicemesh.limits import MAX_TOKENS
+from voicemesh.limits import MAX_TOKENS, URGENT_WORDS
 from voicemesh.serving import OpenCalls, Server, stream_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -44,9 +44,9 @@ class LlmSettings(config.ServerSettings):
     n_ctx: int = config.setting(2048, "context window in tokens")
     yield_to_new_turns: bool = config.setting(
         True,
-        "llama_cpp: a reply past its first words gives its slot up, between two tokens, to a new turn waiting for "
-        "one, and goes on after it (the rest of a reply only has to stay ahead of playout); false: first come, "
-        "first served",
+        "llama_cpp: calls are served earliest deadline first: a new call is due when it arrives, a reply past its "
+        "urgent words (GenerateRequest.urgent_words) before its audio would run dry; a reply gives its slot up, "
+        "between two tokens, to an earlier deadline, and goes on after it; false: first come, first served",
     )
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
     max_queue_wait_ms: float = config.setting(
@@ -108,6 +108,7 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         seed=message.seed,
         reply_prefix=message.reply_prefix,
         score_turn_end=message.score_turn_end and not message.reply_prefix,
+        urgent_words=URGENT_WORDS.resolve(message.urgent_words, "urgent_words"),
     )
 
 

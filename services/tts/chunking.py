@@ -9,7 +9,7 @@ from voicemesh.limits import LOOKAHEAD_WORDS
 
 _SENTENCE_END = re.compile(r"[.!?;:](?:[\"')\]]*)\s")
 _CLAUSE_END = re.compile(r"[.!?;:,](?:[\"')\]]*)\s")
-_MAX_WORDS_AFTER_FIRST = 12
+_MAX_WORDS = 12
 
 
 class Policy(enum.Enum):
@@ -23,9 +23,12 @@ class Chunker:
 
     - SENTENCE: at each sentence end (. ! ? ; :) followed by whitespace.
     - WORDS: the first chunk as soon as `lookahead` complete words are there (a word is complete once the
-      next delta starts a new one), or earlier at punctuation; later chunks at clause punctuation or every 12
-      words. The first chunk is what the listener waits for; later ones are synthesized while earlier audio
-      plays, so they can be longer, which sounds better.
+      next delta starts a new one), or earlier at punctuation; each later chunk at clause punctuation or at
+      twice the words of the one before, up to 12. The first chunk is what the listener waits for; later ones
+      are synthesized while earlier audio plays, so they can be longer, which sounds better. They grow
+      gradually because each must be written and synthesized while the one before plays: a two-word first
+      chunk (~0.5 s of audio) followed at once by a 12-word one left the listener in silence whenever the LLM
+      or the TTS was shared with other sessions.
     - WHOLE: only on flush.
     """
 
@@ -35,7 +38,7 @@ class Chunker:
         self.policy = policy
         self.lookahead = lookahead
         self._buffer = ""
-        self._chunks = 0
+        self._limit = lookahead  # words of the next chunk, unless punctuation comes first
 
     def push(self, text: str) -> list[str]:
         """Add a delta; returns the chunks now ready (possibly none)."""
@@ -45,18 +48,18 @@ class Chunker:
             chunk, self._buffer = self._buffer[:cut].strip(), self._buffer[cut:].lstrip()
             if chunk:
                 ready.append(chunk)
-                self._chunks += 1
+                self._limit = min(2 * self._limit, _MAX_WORDS)
         return ready
 
     def flush(self) -> list[str]:
         """End of the utterance: whatever is buffered."""
         chunk, self._buffer = self._buffer.strip(), ""
-        self._chunks = 0
+        self.reset()
         return [chunk] if chunk else []
 
     def reset(self) -> None:
         self._buffer = ""
-        self._chunks = 0
+        self._limit = self.lookahead
 
     def _cut(self) -> int | None:
         if self.policy is Policy.WHOLE:
@@ -67,7 +70,7 @@ class Chunker:
         match = _CLAUSE_END.search(self._buffer)
         # Complete words: followed by whitespace (the word being generated might still grow).
         complete = [m.end() for m in re.finditer(r"\S+\s", self._buffer)]
-        limit = self.lookahead if self._chunks == 0 else _MAX_WORDS_AFTER_FIRST
+        limit = self._limit
         by_count = complete[limit - 1] if len(complete) >= limit else None
         candidates = [c for c in (match.end() if match else None, by_count) if c is not None]
         return min(candidates) if candidates else None

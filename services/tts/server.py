@@ -28,8 +28,12 @@ from voicemesh.serving import Draining, OpenCalls, Server, merge_reader, stream_
 from voicemesh.v1 import audio_pb2, tts_pb2, tts_pb2_grpc
 from voicemesh.workers import WorkerPool
 
-FIRST_CHUNK_PRIORITY = 0
-LATER_CHUNK_PRIORITY = 10
+# The pool serves chunks earliest deadline first (deadlines in ms on time.monotonic). A reply's first chunk is due
+# when its text is ready: its listener is waiting. A later chunk is due before the audio already made for its
+# utterance runs out, less REFILL_MS for its own synthesis: so it goes ahead of newer replies' first chunks only
+# when its listener would otherwise hear a gap. (Later chunks used to wait behind every first chunk: with four
+# sessions speaking at once, a reply's second chunk came up to 0.6 s after its text, and the reply ran dry.)
+REFILL_MS = 300.0
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
@@ -60,6 +64,11 @@ class TtsSettings(config.ServerSettings):
     )
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "syntheses run at once; chunks beyond that queue")
+    schedule_by_deadline: bool = config.setting(
+        True,
+        "chunks are synthesized earliest deadline first: a reply's first chunk when its text is ready, a later one "
+        "before its reply's audio would run dry; false: first come, first served",
+    )
 
 
 @dataclasses.dataclass
@@ -70,6 +79,14 @@ class _Utterance:
     chunks: int = 0
     audio_ms: float = 0.0
     flushed: bool = False
+    first_audio_ms: float | None = None  # when its first chunk's audio was ready (time.monotonic, ms)
+
+    def deadline_ms(self, ready_ns: int) -> float:
+        """When the next chunk is needed: at once for the first (ready at `ready_ns`), else before the audio
+        made so far runs out (it starts playing about when it is ready)."""
+        if self.first_audio_ms is None:
+            return ready_ns / 1e6
+        return self.first_audio_ms + self.audio_ms - REFILL_MS
 
 
 class RecentIds:
@@ -105,8 +122,10 @@ class SynthesisStream:
         engine: Synthesizer,
         pool: WorkerPool,
         record_text: bool = False,
+        by_deadline: bool = True,
     ) -> None:
         self.cfg = cfg
+        self.by_deadline = by_deadline  # False: chunks in the order they are ready, across the replica's streams
         self.record_text = record_text  # the chunk's text on its span: personal data, off unless asked for
         self.rate_hz = OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
         self.policy = POLICIES[cfg.chunking]
@@ -213,10 +232,10 @@ class SynthesisStream:
                 self._settled.set()
                 continue
             submitted_ns = time.monotonic_ns()
-            # A reply's first chunk is on a user's critical path; later chunks only have to stay ahead of playout, so
-            # across the replica's streams first chunks are synthesized first.
-            priority = FIRST_CHUNK_PRIORITY if utterance is not None and utterance.chunks == 0 else LATER_CHUNK_PRIORITY
-            timed = await self._pool.run(self._render, chunk, priority=priority)
+            deadline_ms = submitted_ns / 1e6
+            if utterance is not None and self.by_deadline:
+                deadline_ms = utterance.deadline_ms(ready_ns)
+            timed = await self._pool.run(self._render, chunk, priority=round(deadline_ms))
             if uid in self._cancelled or utterance is None:
                 continue
             # Waiting behind this stream's earlier chunks counts as queueing too, not just the pool's wait.
@@ -250,6 +269,8 @@ class SynthesisStream:
                     event.audio.timing.compute_ms = timed.compute_ms
                 self._seq += 1
                 self.events.put_nowait(event)
+            if utterance.first_audio_ms is None:
+                utterance.first_audio_ms = time.monotonic_ns() / 1e6
             utterance.chunks += 1
             utterance.audio_ms += len(frames) * FRAME_MS
 
@@ -343,7 +364,14 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
         if first.WhichOneof("request") != "config":
             raise precondition(f"the first message must be a SynthesisConfig; got {first.WhichOneof('request')}")
         voice = validate_config(first.config, self.engine)
-        stream = SynthesisStream(first.config, voice, self.engine, self.pool, self.settings.log_transcripts)
+        stream = SynthesisStream(
+            first.config,
+            voice,
+            self.engine,
+            self.pool,
+            self.settings.log_transcripts,
+            self.settings.schedule_by_deadline,
+        )
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
         synthesizer.add_done_callback(stream.on_loop_done)
         log.info("stream opened", extra={"session_id": first.config.session_id, "policy": stream.policy.value})

@@ -8,6 +8,7 @@ tests/integration/test_asr_service.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -17,7 +18,7 @@ import pytest
 from services.asr.engine import TranscriberCapabilities
 from services.asr.server import validate_config as validate_recognition
 from services.tts.engine import SynthesizerCapabilities, Voice
-from services.tts.server import MAX_OPEN_UTTERANCES, REMEMBERED_IDS, SynthesisStream
+from services.tts.server import MAX_OPEN_UTTERANCES, REFILL_MS, REMEMBERED_IDS, SynthesisStream
 from services.tts.server import validate_config as validate_synthesis
 from voicemesh.errors import RequestError
 from voicemesh.limits import LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
@@ -158,16 +159,34 @@ class RecordingPool(WorkerPool):
         return await super().run(fn, *args, priority=priority)
 
 
-async def test_a_replys_first_chunk_is_synthesized_before_other_replies_later_chunks() -> None:
+async def test_a_first_chunk_is_due_when_its_text_is_ready_and_a_later_one_before_the_audio_so_far_runs_out() -> None:
+    engine = FakeToneSynthesizer()  # 100 ms of audio a word
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    pool = RecordingPool()  # its priorities are deadlines, ms on time.monotonic: earliest first
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, pool)
+    words = " ".join(f"w{index}" for index in range(14))
+    before_ms = time.monotonic_ns() / 1e6
+    stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text=words + ". ")))
+    stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
+    stream.end_input()
+    await asyncio.wait_for(stream.synthesize_loop(), 10)
+    first, second, third, fourth = pool.priorities  # "w0", "w1 w2", "w3 .. w6", "w7 .. w13."
+    assert before_ms - 1 <= first <= time.monotonic_ns() / 1e6, "a first chunk is due at once: its listener waits"
+    assert first - 1 <= second + REFILL_MS - 100 <= time.monotonic_ns() / 1e6, "due when w0's 100 ms run out"
+    assert (third - second, fourth - third) == (200, 400), "each chunk bought its own audio's worth of time"
+
+
+async def test_without_deadlines_chunks_are_synthesized_in_the_order_they_are_ready() -> None:
     engine = FakeToneSynthesizer()
     config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
     pool = RecordingPool()
-    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, pool)
-    for uid in (1, 2):
-        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=uid, text="one two three four ")))
-        stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=uid)))
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, pool, by_deadline=False)
+    words = " ".join(f"w{index}" for index in range(14))
+    stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text=words + ". ")))
+    stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
     stream.end_input()
+    before_ms = time.monotonic_ns() / 1e6
     await asyncio.wait_for(stream.synthesize_loop(), 10)
-    first, later = 0, 10
-    assert pool.priorities[0] == first and set(pool.priorities[1:]) == {first, later}
-    assert pool.priorities.count(first) == 2, "one first chunk per utterance, the rest after any waiting first chunk"
+    assert len(pool.priorities) == 4
+    assert pool.priorities == sorted(pool.priorities), "each chunk's priority is when it was handed to the pool"
+    assert all(before_ms - 1 <= priority <= time.monotonic_ns() / 1e6 for priority in pool.priorities)

@@ -50,6 +50,7 @@ REPORT_KEYS = {
     "percentile_method",
     "v2v_ms",
     "stages_ms",
+    "replies_with_gap",
     "live_sessions",
     "sessions",
     "per_turn",
@@ -72,6 +73,7 @@ TURN_KEYS = {
     "user",
     "reply",
     "interrupted",
+    "reply_gap_ms",
     "extra_server_turns",
     "errors",
 }
@@ -87,6 +89,7 @@ LEVEL_KEYS = {
     "turns_failed",
     "failed_by_error",
     "ok_turns_per_min",
+    "replies_with_gap",
     "queue_medians_ms",
     "stage_p99_ms",
     "report",
@@ -122,6 +125,7 @@ def _level(sessions: int, within: bool, report: ReportFiles | None = None, **que
         turns_failed=0,
         failed_by_error={},
         ok_turns_per_min=6.0,
+        replies_with_gap=0,
         queue_medians_ms=dict.fromkeys(QUEUE_STAGES, 1.0) | queues,
         stage_p99_ms=dict.fromkeys(STAGE_NAMES, 5.0),
         report=report,
@@ -433,6 +437,19 @@ def test_summary_table_lists_every_stage_and_the_failures() -> None:
     text = format_summary(_report([420.0, 510.0], failed=1))
     assert "V2V" in text and all(stage in text for stage in STAGE_NAMES)
     assert "ms (n=2)" in text and "UNAVAILABLE x1" in text and "connection refused" in text
+    assert "reply gaps: 0 of 2 replies ran dry" in text
+
+
+def test_replies_that_ran_dry_are_counted_and_summed() -> None:
+    report = _report([420.0, 510.0, 640.0], failed=1)
+    gapped = [
+        dataclasses.replace(turn, reply_gap_ms=ms) if turn.ok else turn
+        for turn, ms in zip(report.per_turn, (0, 120.0, 380.0, 900.0), strict=True)
+    ]
+    report = dataclasses.replace(report, per_turn=gapped)
+    assert report.replies_with_gap == 2  # the failed turn's gap is not a reply's
+    assert report.to_json()["replies_with_gap"] == 2
+    assert "reply gaps: 2 of 3 replies ran dry, longest 380 ms, 500 ms in all" in format_summary(report)
 
 
 def test_html_sweep_report_links_each_level() -> None:

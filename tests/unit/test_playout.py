@@ -67,6 +67,26 @@ def test_a_frame_that_arrives_after_the_queue_ran_dry_leaves_at_once() -> None:
     assert take_due(pacer) == [1]
 
 
+def test_audio_that_comes_after_the_listener_ran_dry_is_a_gap_heard_and_counted_until_the_flush() -> None:
+    pacer, clock, _ = playout(lead_frames=2)
+    for index in range(3):
+        pacer.push(index)
+    assert take_due(pacer) == [0, 1, 2]
+    clock.now_s += 2 * FRAME_S  # the listener still has the lead's worth
+    pacer.push(3)
+    assert take_due(pacer) == [3] and pacer.gap_s == 0
+    clock.now_s = 102.0  # it had audio until 101.0 (frame 3 was due at 100.25 + the lead)
+    pacer.push(4)
+    assert take_due(pacer) == [4] and pacer.gap_s == 1.0
+    pacer.pause()
+    clock.now_s += 10.0
+    pacer.resume()
+    pacer.push(5)
+    assert take_due(pacer) == [5] and pacer.gap_s == 1.0, "a pause is not a gap: the reply was held on purpose"
+    pacer.flush()
+    assert pacer.gap_s == 0, "the next reply counts its own"
+
+
 def test_a_pause_holds_the_frames_and_the_resume_plays_on_from_where_it_paused_with_a_lead() -> None:
     pacer, clock, played = playout(lead_frames=2)
     for index in range(10):

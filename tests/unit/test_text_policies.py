@@ -23,9 +23,19 @@ def test_words_chunking_releases_first_chunk_after_lookahead_words() -> None:
     assert chunker.push("Sure") == []
     assert chunker.push(" thing") == []  # "thing" may still grow: not a complete word yet
     assert chunker.push(" I") == ["Sure thing"]
-    assert chunker.push(" can help you with that") == []
-    assert chunker.push(". Bye") == ["I can help you with that."]
+    assert chunker.push(" can help you with that") == ["I can help you"]  # the next chunk: twice the words
+    assert chunker.push(". Bye") == ["with that."]  # or earlier, at punctuation
     assert chunker.flush() == ["Bye"]
+
+
+def test_each_later_chunk_doubles_up_to_twelve_words_and_a_new_utterance_starts_short_again() -> None:
+    chunker = Chunker(Policy.WORDS, lookahead=1)
+    chunks = []
+    for index in range(40):
+        chunks += chunker.push(f"w{index} ")
+    assert [len(chunk.split()) for chunk in chunks] == [1, 2, 4, 8, 12, 12]
+    chunker.flush()
+    assert chunker.push("next reply ") == ["next"], "each reply's first chunk is short: its listener waits"
 
 
 def test_sentence_and_whole_chunking() -> None:

@@ -99,6 +99,7 @@ class TurnResult:
             user="" if answer is None else answer.user_text,
             reply="" if answer is None else answer.reply_text,
             interrupted=answer is not None and answer.interrupted,
+            reply_gap_ms=0.0 if answer is None or answer.metrics is None else answer.metrics.server.reply_gap_ms,
             extra_server_turns=self.extra_server_turns,
             errors=self.errors,
         )

@@ -112,6 +112,8 @@ class TurnRow:
     user: str
     reply: str
     interrupted: bool = False
+    reply_gap_ms: float = 0.0
+    """Silence heard inside the reply because its next audio came late (the gateway's playout ran dry)."""
     extra_server_turns: int = 0
     """Turns the gateway ended inside this clip (a pause long enough to endpoint)."""
     errors: list[str] = dataclasses.field(default_factory=list)
@@ -138,6 +140,11 @@ class LoadTestReport:
     per_turn: list[TurnRow]
     files: ReportFiles | None = None
 
+    @property
+    def replies_with_gap(self) -> int:
+        """Replies (of the turns that finished OK) whose audio ran dry at least once."""
+        return sum(1 for turn in self.per_turn if turn.ok and turn.reply_gap_ms > 0)
+
     def _options_json(self) -> dict[str, object]:
         options = dataclasses.asdict(self.options)
         del options["credentials"]  # a token must not land in a report file
@@ -156,6 +163,7 @@ class LoadTestReport:
             "percentile_method": PERCENTILE_METHOD,
             "v2v_ms": self.v2v_ms.to_json(),
             "stages_ms": {stage: summary.to_json() for stage, summary in self.stages_ms.items()},
+            "replies_with_gap": self.replies_with_gap,
             "live_sessions": [list(step) for step in self.live_sessions],
             "sessions": [dataclasses.asdict(session) for session in self.sessions],
             "per_turn": [dataclasses.asdict(turn) for turn in self.per_turn],
@@ -180,6 +188,8 @@ class SweepLevel:
     turns_failed: int
     failed_by_error: dict[str, int]
     ok_turns_per_min: float
+    replies_with_gap: int
+    """Replies whose audio ran dry at least once: the stages fell behind playout."""
     queue_medians_ms: dict[str, float | None]
     """p50 of each queue stage (`QUEUE_STAGES`)."""
     stage_p99_ms: dict[str, float | None]
@@ -200,6 +210,7 @@ class SweepLevel:
             turns_failed=counts.failed,
             failed_by_error=counts.failed_by_error,
             ok_turns_per_min=report.throughput.ok_turns_per_min,
+            replies_with_gap=report.replies_with_gap,
             queue_medians_ms={stage: report.stages_ms[stage].p50 for stage in QUEUE_STAGES},
             stage_p99_ms={stage: report.stages_ms[stage].p99 for stage in STAGE_NAMES},
             report=report.files,
@@ -331,6 +342,11 @@ def format_summary(report: LoadTestReport) -> str:
 
     lines.append(row("V2V", report.v2v_ms))
     lines += [row(f"  {stage}", report.stages_ms[stage]) for stage in STAGE_NAMES]
+    gaps = [turn.reply_gap_ms for turn in report.per_turn if turn.ok and turn.reply_gap_ms > 0]
+    lines.append(
+        f"reply gaps: {len(gaps)} of {counts.ok} replies ran dry"
+        + (f", longest {max(gaps):.0f} ms, {sum(gaps):.0f} ms in all" if gaps else "")
+    )
     if counts.failed_by_error:
         failures = ", ".join(f"{status} x{count}" for status, count in counts.failed_by_error.items())
         details = {turn.status: turn.detail for turn in report.per_turn if not turn.ok}
