@@ -35,7 +35,9 @@ class Playout(Generic[FrameT]):
     takes effect before the next frame: within one frame.
 
     A frame pushed after the listener's lead ran out (the reply's next audio came late) leaves a gap in what is
-    heard; `gap_s` sums those gaps since the last `flush` (which ends a reply).
+    heard; `gap_s` sums those gaps since the last `flush` (which ends a reply). `ahead_min_s` is the least audio
+    the listener still had when more of the reply began to arrive (`push(..., more=True)`): how far ahead of
+    playout the reply's later work ran, at its tightest (negative: behind, a gap).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class Playout(Generic[FrameT]):
         self._paused = False
         self._changed = asyncio.Event()
         self.gap_s = 0.0
+        self.ahead_min_s: float | None = None
 
     @property
     def queued(self) -> int:
@@ -64,7 +67,12 @@ class Playout(Generic[FrameT]):
     def paused(self) -> bool:
         return self._paused
 
-    def push(self, frame: FrameT) -> None:
+    def push(self, frame: FrameT, more: bool = False) -> None:
+        """Queue a frame; `more`: it begins more audio of the reply playing (its next chunk of speech)."""
+        if more and self._next_due_s is not None and not self._paused:
+            # The listener plays a frame `lead` after it is due to leave, then what is queued.
+            ahead_s = self._next_due_s + self._lead_s + len(self._frames) * self._frame_s - self._clock()
+            self.ahead_min_s = ahead_s if self.ahead_min_s is None else min(self.ahead_min_s, ahead_s)
         self._frames.append(frame)
         self._changed.set()
 
@@ -85,6 +93,7 @@ class Playout(Generic[FrameT]):
         self._paused = False
         self._next_due_s = None  # the next reply starts with a fresh lead
         self.gap_s = 0.0
+        self.ahead_min_s = None
         self._changed.set()
         return dropped
 

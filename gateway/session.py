@@ -827,14 +827,21 @@ class Session:
         if self.pipeline.buffer_whole_reply and not reply.tts_done:
             return
         while reply.frames:
-            self.playout.push(ReplyFrame(reply.turn_index, reply.frames_released, reply.frames.popleft()))
+            speech = reply.frames.popleft()
+            more = speech.chunk_index > 0 and speech.HasField("timing")  # a later chunk's first frame
+            self.playout.push(ReplyFrame(reply.turn_index, reply.frames_released, speech), more)
             reply.frames_released += 1
         self._finish_if_played(reply)
 
     def _flush_playout(self, reply: Reply) -> int:
         """End the reply's playout (dropping what is queued; returns how many frames); the gaps its listener heard
-        go into its metrics."""
+        and how far ahead of it the reply's later audio came go into its metrics."""
         reply.metrics.reply_gap_ms = max(reply.metrics.reply_gap_ms, round(self.playout.gap_s * 1000, 1))
+        if self.playout.ahead_min_s is not None:
+            ahead_ms = round(self.playout.ahead_min_s * 1000, 1)
+            if reply.metrics.HasField("reply_ahead_min_ms"):
+                ahead_ms = min(ahead_ms, reply.metrics.reply_ahead_min_ms)
+            reply.metrics.reply_ahead_min_ms = ahead_ms
         return self.playout.flush()
 
     def _played(self, frame: ReplyFrame, sent_us: int) -> None:
@@ -908,6 +915,7 @@ class Session:
                 "turn": reply.turn_index,
                 "v2v_ms": round(metrics.v2v_ms, 1),
                 "reply_gap_ms": metrics.reply_gap_ms,
+                "reply_ahead_min_ms": metrics.reply_ahead_min_ms if metrics.HasField("reply_ahead_min_ms") else None,
                 "timeline_ms": {k: round((v - origin) / 1000, 1) for k, v in reply.timeline.items()},
                 **spoken,
             },

@@ -88,6 +88,9 @@ async def test_two_sessions_of_two_turns_against_the_real_mesh(gateway: str, tmp
         assert turn.first_audio_s > turn.speech_end_s
     said = {(t.session, t.turn): t.clip for t in report.per_turn}
     assert said[(0, 0)] != said[(1, 0)], "sessions start on different clips"
+    ahead = [turn.reply_ahead_min_ms for turn in report.per_turn if turn.reply_ahead_min_ms is not None]
+    assert ahead, "replies of several chunks say how far ahead of playout their later chunks came"
+    assert report.reply_ahead_min_ms.count == len(ahead)
 
 
 @pytest_asyncio.fixture(loop_scope="session")

@@ -51,6 +51,7 @@ REPORT_KEYS = {
     "v2v_ms",
     "stages_ms",
     "replies_with_gap",
+    "reply_ahead_min_ms",
     "live_sessions",
     "sessions",
     "per_turn",
@@ -74,6 +75,7 @@ TURN_KEYS = {
     "reply",
     "interrupted",
     "reply_gap_ms",
+    "reply_ahead_min_ms",
     "extra_server_turns",
     "errors",
 }
@@ -450,6 +452,18 @@ def test_replies_that_ran_dry_are_counted_and_summed() -> None:
     assert report.replies_with_gap == 2  # the failed turn's gap is not a reply's
     assert report.to_json()["replies_with_gap"] == 2
     assert "reply gaps: 2 of 3 replies ran dry, longest 380 ms, 500 ms in all" in format_summary(report)
+
+
+def test_how_far_ahead_of_playout_later_chunks_came_is_summarized_over_replies_of_several_chunks() -> None:
+    report = _report([420.0, 510.0, 640.0], failed=1)
+    ahead = [
+        dataclasses.replace(turn, reply_ahead_min_ms=ms) if turn.ok else turn
+        for turn, ms in zip(report.per_turn, (None, 800.0, -200.0, 5.0), strict=True)
+    ]
+    report = dataclasses.replace(report, per_turn=ahead)
+    assert report.reply_ahead_min_ms.count == 2  # a reply of one chunk (None) and a failed turn are left out
+    assert report.to_json()["reply_ahead_min_ms"]["p50"] == 300.0
+    assert "ahead of playout, the tightest per reply: p50 300 ms, least -200 ms (n=2)" in format_summary(report)
 
 
 def test_html_sweep_report_links_each_level() -> None:

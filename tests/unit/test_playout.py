@@ -87,6 +87,26 @@ def test_audio_that_comes_after_the_listener_ran_dry_is_a_gap_heard_and_counted_
     assert pacer.gap_s == 0, "the next reply counts its own"
 
 
+def test_how_far_ahead_of_the_listener_more_of_the_reply_came_is_its_tightest_margin_until_the_flush() -> None:
+    pacer, clock, _ = playout(lead_frames=2)
+    for index in range(3):
+        pacer.push(index)
+    assert take_due(pacer) == [0, 1, 2] and pacer.ahead_min_s is None, "the reply's first audio is not 'more'"
+    clock.now_s = 100.5  # frame 3 is due to leave at 100.25, so the listener has audio until 100.75
+    pacer.push(3, more=True)
+    pacer.push(4)
+    assert pacer.ahead_min_s == 0.25
+    assert take_due(pacer) == [3, 4]
+    clock.now_s = 100.75
+    pacer.push(5, more=True)  # 3 and 4 play out at 100.75 .. 101.25
+    assert pacer.ahead_min_s == 0.25, "the tightest margin stays"
+    clock.now_s = 103.0  # frames up to 5 played out by 101.5: 1.5 s late
+    pacer.push(6, more=True)
+    assert pacer.ahead_min_s == -1.5
+    pacer.flush()
+    assert pacer.ahead_min_s is None, "the next reply measures its own"
+
+
 def test_a_pause_holds_the_frames_and_the_resume_plays_on_from_where_it_paused_with_a_lead() -> None:
     pacer, clock, played = playout(lead_frames=2)
     for index in range(10):

@@ -57,6 +57,13 @@ def _since_s(us: int, origin_us: int) -> float | None:
     return round((us - origin_us) / 1e6, 3) if us else None
 
 
+def _ahead_min_ms(answer: TalkTurn | None) -> float | None:
+    """How far ahead of playout the reply's later chunks came, at the tightest; None for a reply of one chunk."""
+    if answer is None or answer.metrics is None or not answer.metrics.server.HasField("reply_ahead_min_ms"):
+        return None
+    return answer.metrics.server.reply_ahead_min_ms
+
+
 @dataclass
 class TurnResult:
     """One turn of one session while the test runs: its clip's send times, then its outcome."""
@@ -100,6 +107,7 @@ class TurnResult:
             reply="" if answer is None else answer.reply_text,
             interrupted=answer is not None and answer.interrupted,
             reply_gap_ms=0.0 if answer is None or answer.metrics is None else answer.metrics.server.reply_gap_ms,
+            reply_ahead_min_ms=_ahead_min_ms(answer),
             extra_server_turns=self.extra_server_turns,
             errors=self.errors,
         )

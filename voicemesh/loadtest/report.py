@@ -114,6 +114,9 @@ class TurnRow:
     interrupted: bool = False
     reply_gap_ms: float = 0.0
     """Silence heard inside the reply because its next audio came late (the gateway's playout ran dry)."""
+    reply_ahead_min_ms: float | None = None
+    """How far ahead of the listener the reply's later chunks came, at the tightest (negative: late); None for a
+    reply of one chunk."""
     extra_server_turns: int = 0
     """Turns the gateway ended inside this clip (a pause long enough to endpoint)."""
     errors: list[str] = dataclasses.field(default_factory=list)
@@ -145,6 +148,14 @@ class LoadTestReport:
         """Replies (of the turns that finished OK) whose audio ran dry at least once."""
         return sum(1 for turn in self.per_turn if turn.ok and turn.reply_gap_ms > 0)
 
+    @property
+    def reply_ahead_min_ms(self) -> Summary:
+        """Over the replies (of OK turns) of more than one chunk: how far ahead of playout their later work ran,
+        at its tightest."""
+        return summarize(
+            [turn.reply_ahead_min_ms for turn in self.per_turn if turn.ok and turn.reply_ahead_min_ms is not None]
+        )
+
     def _options_json(self) -> dict[str, object]:
         options = dataclasses.asdict(self.options)
         del options["credentials"]  # a token must not land in a report file
@@ -164,6 +175,7 @@ class LoadTestReport:
             "v2v_ms": self.v2v_ms.to_json(),
             "stages_ms": {stage: summary.to_json() for stage, summary in self.stages_ms.items()},
             "replies_with_gap": self.replies_with_gap,
+            "reply_ahead_min_ms": self.reply_ahead_min_ms.to_json(),
             "live_sessions": [list(step) for step in self.live_sessions],
             "sessions": [dataclasses.asdict(session) for session in self.sessions],
             "per_turn": [dataclasses.asdict(turn) for turn in self.per_turn],
@@ -347,6 +359,12 @@ def format_summary(report: LoadTestReport) -> str:
         f"reply gaps: {len(gaps)} of {counts.ok} replies ran dry"
         + (f", longest {max(gaps):.0f} ms, {sum(gaps):.0f} ms in all" if gaps else "")
     )
+    ahead = [turn.reply_ahead_min_ms for turn in report.per_turn if turn.ok and turn.reply_ahead_min_ms is not None]
+    if ahead:
+        lines.append(
+            f"later audio ahead of playout, the tightest per reply: p50 {report.reply_ahead_min_ms.p50:.0f} ms,"
+            f" least {min(ahead):.0f} ms (n={len(ahead)})"
+        )
     if counts.failed_by_error:
         failures = ", ".join(f"{status} x{count}" for status, count in counts.failed_by_error.items())
         details = {turn.status: turn.detail for turn in report.per_turn if not turn.ok}
