@@ -38,6 +38,11 @@ NEW_CALL_DUE_S = 0.5
 # A reply yields only to a deadline this much earlier than its own: a swap costs a KV state save and load, and two
 # replies with close deadlines would otherwise trade the slot every token.
 SWAP_S = 0.25
+# A reply stops decoding once what it streamed would take more than `max_ahead_s` to say beyond its playout, and
+# carries on when this share of that is left: decode runs in bursts just ahead of the listener, and between them
+# the cores serve other sessions' urgent work.
+RESUME_AT = 0.5
+MIN_AHEAD_S = 2 * REFILL_S  # it resumes at RESUME_AT of max_ahead_s, which must still be >= REFILL_S
 
 
 def speech_s(text: str) -> float:
@@ -86,8 +91,16 @@ class _Playout:
 
     def deadline(self, said: str = "") -> float:
         """When the reply's next words are needed, having streamed `said` in the current run too."""
+        return self.runs_dry(said) - REFILL_S
+
+    def runs_dry(self, said: str = "") -> float:
+        """When its audio would run out, having streamed `said` in the current run too (time.monotonic)."""
         assert self.started is not None
-        return self.started + speech_s(self.text + said) - REFILL_S
+        return self.started + speech_s(self.text + said)
+
+    def ahead_s(self, said: str = "") -> float:
+        """How far ahead of its listener the reply is: the speech streamed and not yet played (0 before it starts)."""
+        return 0.0 if self.started is None else self.runs_dry(said) - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -124,7 +137,8 @@ class SavedState:
 
 @dataclass(frozen=True)
 class _Yielded:
-    """A reply stopped between two tokens so that a call with an earlier deadline could have its slot."""
+    """A reply stopped between two tokens: a call with an earlier deadline wanted its slot, or it ran `max_ahead_s`
+    ahead of its playout."""
 
     text: str  # what it had streamed
     completion_tokens: int
@@ -148,7 +162,12 @@ class LlamaCppEngine:
         saved_sessions: int = 64,
         prompt: CompletionPrompt | None = None,
         yield_to_new_turns: bool = True,
+        max_ahead_s: float = 0.0,
     ) -> None:
+        if max_ahead_s and max_ahead_s < MIN_AHEAD_S:
+            raise ValueError(
+                f"max_ahead_s={max_ahead_s} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
+            )
         self.model_path = model_path
         # Calls are served earliest deadline first. A new call is due soon after it arrives: its listener waits.
         # A reply past its urgent words (those its listener waits for: the TTS's first chunk) only has to stay
@@ -158,6 +177,9 @@ class LlamaCppEngine:
         # first chunk could be synthesized: with four sessions speaking at once, +1.1-1.6 s on a quarter of the
         # turns (voicemesh loadtest); and a reply that waited for them without a deadline ran dry for seconds.
         self.yield_to_new_turns = yield_to_new_turns
+        # Flow control: a reply decodes at most this far (seconds of speech) ahead of its playout; 0 = no limit.
+        self.max_ahead_s = max_ahead_s
+        self.held_back = 0  # times a reply stopped decoding for being max_ahead_s ahead
         self._earliest_waiting = float("inf")  # the waiters' earliest deadline; read by generation threads
         self.model_name = model_path.stem
         self.n_threads = n_threads
@@ -270,7 +292,7 @@ class LlamaCppEngine:
                 return
             playout.text += yielded.text
             completion += yielded.completion_tokens
-            acquire = asyncio.ensure_future(self._acquire(request.session_id, playout.deadline()))
+            acquire = asyncio.ensure_future(self._reacquire(request.session_id, playout))
             try:
                 while not (await asyncio.wait({acquire}, timeout=KEEPALIVE_S))[0]:
                     yield GenerationChunk()  # no text yet: the caller's watchdog hears a live replica
@@ -278,6 +300,13 @@ class LlamaCppEngine:
                 if not acquire.done():
                     acquire.cancel()  # the caller gave up while it waited: its place in line goes
             slot = acquire.result()
+
+    async def _reacquire(self, session_id: str, playout: _Playout) -> _Slot:
+        """The slot back for a reply that gave it up: by its deadline, and (flow control) not before its playout
+        has caught up to RESUME_AT of `max_ahead_s`."""
+        if self.max_ahead_s:
+            await asyncio.sleep(playout.runs_dry() - RESUME_AT * self.max_ahead_s - time.monotonic())
+        return await self._acquire(session_id, playout.deadline())
 
     async def _run(
         self, slot: _Slot, request: GenerationRequest, playout: _Playout
@@ -364,11 +393,11 @@ class LlamaCppEngine:
                     break
                 if playout.started is None and past_urgent(said, request.urgent_words):
                     playout.started = time.monotonic()
-                if (
-                    self.yield_to_new_turns
-                    and playout.started is not None
-                    and self._earliest_waiting < playout.deadline(said) - SWAP_S
+                ahead = bool(self.max_ahead_s) and playout.ahead_s(said) > self.max_ahead_s
+                if playout.started is not None and (
+                    ahead or (self.yield_to_new_turns and self._earliest_waiting < playout.deadline(said) - SWAP_S)
                 ):
+                    self.held_back += ahead
                     self._save_state(request.session_id, llama)  # it goes on from here, on this slot or another
                     put(_Yielded(said, completion))
                     return

@@ -48,6 +48,12 @@ class LlmSettings(config.ServerSettings):
         "urgent words (GenerateRequest.urgent_words) before its audio would run dry; a reply gives its slot up, "
         "between two tokens, to an earlier deadline, and goes on after it; false: first come, first served",
     )
+    max_ahead_s: float = config.setting(
+        3.0,
+        "llama_cpp flow control: a reply past its urgent words stops decoding once the text it streamed would take "
+        "this long to say beyond its playout (at 15 characters a second), saves its state, and carries on when half "
+        "of that is left, so the cores serve other sessions' urgent work meanwhile; 0 = no limit, else >= 2",
+    )
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
     max_queue_wait_ms: float = config.setting(
         2000.0, "refuse (RESOURCE_EXHAUSTED) a request whose expected wait for a slot exceeds this; 0 = never"
@@ -124,6 +130,7 @@ def build_engine(settings: LlmSettings) -> Engine:
             slots=settings.slots,
             n_ctx=settings.n_ctx,
             yield_to_new_turns=settings.yield_to_new_turns,
+            max_ahead_s=settings.max_ahead_s,
         )
     if settings.engine == "vllm":
         from services.llm.convert_gguf import default_model_dir, is_converted

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+from services.llm.llama_cpp_engine import MIN_AHEAD_S, LlamaCppEngine, default_model_path, speech_s
 
 pytestmark = pytest.mark.integration
 
@@ -20,15 +20,16 @@ LONG_START = "A, B, C, D, E,"
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engines():
-    yielding, first_come = (
-        LlamaCppEngine(default_model_path()),
-        LlamaCppEngine(default_model_path(), yield_to_new_turns=False),
-    )
-    await yielding.start()
-    await first_come.start()
-    yield {"yielding": yielding, "first_come": first_come}
-    await yielding.close()
-    await first_come.close()
+    engines = {
+        "yielding": LlamaCppEngine(default_model_path()),
+        "first_come": LlamaCppEngine(default_model_path(), yield_to_new_turns=False),
+        "paced": LlamaCppEngine(default_model_path(), max_ahead_s=MIN_AHEAD_S),
+    }
+    for engine in engines.values():
+        await engine.start()
+    yield engines
+    for engine in engines.values():
+        await engine.close()
 
 
 async def _reply(
@@ -81,3 +82,14 @@ async def test_a_saved_session_costs_megabytes_not_the_logits_of_every_token(eng
     )
     last = [chunk async for chunk in engine.generate(request)][-1]
     assert last.prompt_tokens - last.cached_prompt_tokens < 25, (last.prompt_tokens, last.cached_prompt_tokens)
+
+
+async def test_a_reply_decodes_no_further_ahead_of_its_playout_than_max_ahead_s_and_says_the_same(engines) -> None:
+    alone, _, _ = await _reply(engines["yielding"], "alphabet-free", LONG, start=LONG_START)
+    paced = engines["paced"]
+    text, first_at, end_at = await _reply(paced, "alphabet-paced", LONG, start=LONG_START)
+    assert text == alone, "held back and resumed from its saved state, it says exactly what it would have"
+    assert speech_s(text) > MIN_AHEAD_S + 1.0, "a reply long enough to be held back"
+    assert paced.held_back >= 1
+    # It streamed at most max_ahead_s (and one token) ahead of a listener who started once its urgent words were out.
+    assert end_at - first_at >= speech_s(text) - MIN_AHEAD_S - 0.5

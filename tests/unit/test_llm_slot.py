@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from services.llm.llama_cpp_engine import (
+    MIN_AHEAD_S,
     NEW_CALL_DUE_S,
     REFILL_S,
+    RESUME_AT,
     LlamaCppEngine,
     _Playout,
     _Slot,
@@ -20,8 +22,8 @@ from services.llm.llama_cpp_engine import (
 )
 
 
-def one_slot() -> tuple[LlamaCppEngine, _Slot]:
-    engine = LlamaCppEngine(Path("not-loaded.gguf"))
+def one_slot(max_ahead_s: float = 0.0) -> tuple[LlamaCppEngine, _Slot]:
+    engine = LlamaCppEngine(Path("not-loaded.gguf"), max_ahead_s=max_ahead_s)
     engine._slots = [_Slot(llama=None, index=0)]  # type: ignore[arg-type]  # the slot logic never touches it
     return engine, engine._slots[0]
 
@@ -73,3 +75,39 @@ def test_a_reply_is_due_again_before_the_audio_of_what_it_streamed_runs_dry() ->
 )
 def test_a_reply_keeps_its_slot_until_its_urgent_words_are_out(said: str, urgent_words: int, past: bool) -> None:
     assert past_urgent(said, urgent_words) is past
+
+
+async def test_a_reply_held_back_for_running_ahead_queues_again_only_once_its_playout_has_caught_up() -> None:
+    engine, slot = one_slot(max_ahead_s=MIN_AHEAD_S)
+    await engine._acquire("other")  # someone holds the slot meanwhile
+    # Streamed 1.5 s more than RESUME_AT of max_ahead_s ahead of its listener: it waits that long, out of line.
+    playout = _Playout(started=time.monotonic(), text="x" * round(15 * (RESUME_AT * MIN_AHEAD_S + 0.3)))
+    back = asyncio.ensure_future(engine._reacquire("held", playout))
+    await asyncio.sleep(0.1)
+    assert engine.waiting == 0, "held back: not in line while it is far enough ahead"
+    await asyncio.sleep(0.4)
+    assert engine.waiting == 1 and engine._earliest_waiting == pytest.approx(playout.deadline())
+    engine._release(slot)
+    assert await back is slot
+
+
+async def test_without_flow_control_a_reply_that_gave_its_slot_up_queues_again_at_once() -> None:
+    engine, slot = one_slot()
+    await engine._acquire("other")
+    back = asyncio.ensure_future(engine._reacquire("held", _Playout(started=time.monotonic(), text="x" * 90)))
+    await asyncio.sleep(0)
+    assert engine.waiting == 1
+    engine._release(slot)
+    assert await back is slot
+
+
+@pytest.mark.parametrize("max_ahead_s", [-1.0, 0.5, MIN_AHEAD_S - 0.1])
+def test_a_flow_control_limit_that_leaves_no_time_to_refill_is_refused(max_ahead_s: float) -> None:
+    with pytest.raises(ValueError, match="max_ahead_s"):
+        LlamaCppEngine(Path("not-loaded.gguf"), max_ahead_s=max_ahead_s)
+
+
+def test_how_far_ahead_a_reply_is_counts_what_it_streamed_less_what_has_played() -> None:
+    assert _Playout().ahead_s("anything") == 0.0, "nothing plays before its urgent words are out"
+    playout = _Playout(started=time.monotonic() - 1.0, text="x" * 30)
+    assert playout.ahead_s("y" * 15) == pytest.approx(2.0, abs=0.05)
