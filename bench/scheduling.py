@@ -1,11 +1,11 @@
 """Deadline scheduling against first come, first served, side by side in one run (issue 13).
 
 `deadline` is the mesh as shipped: the LLM serves calls earliest deadline first, a reply past its urgent words
-gives its slot up to an earlier deadline and decodes at most 3 s of speech ahead of its playout; the TTS
+gives its slot up to an earlier deadline; the TTS
 synthesizes chunks earliest deadline first; the ASR decodes partials on a niced model copy of their own. `fifo`
-turns all of it off (`VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`, `VOICEMESH_LLM_MAX_AHEAD_S=0`,
-`VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`, `VOICEMESH_ASR_PARTIAL_NICE=0`): every stage serves work in the order
-it arrives. Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going
+turns all of it off (`VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`, `VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`,
+`VOICEMESH_ASR_PARTIAL_NICE=0`): every stage serves work in the order it arrives. Both leave the LLM's flow control
+off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default). Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going
 first) and runs `voicemesh loadtest` at every session count on it; turns are pooled over the rounds, so each
 level's percentiles come from rounds x sessions x turns turns.
 
@@ -46,7 +46,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     },
     "deadline": {
         "VOICEMESH_LLM_YIELD_TO_NEW_TURNS": "true",
-        "VOICEMESH_LLM_MAX_AHEAD_S": "3",
+        "VOICEMESH_LLM_MAX_AHEAD_S": "0",
         "VOICEMESH_TTS_SCHEDULE_BY_DEADLINE": "true",
         "VOICEMESH_ASR_PARTIAL_NICE": "10",
     },
