@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import llm_batch, pipeline, routing, services, turns
+from bench import asr_batch, llm_batch, pipeline, routing, services, turns
 from bench.chaos import __main__ as chaos
 from voicemesh import loadtest
 
@@ -27,6 +27,7 @@ def main() -> None:
     results["end_of_turn"] = end_of_turn
     results["llm_routing"] = routing.run()
     results["llm_batched_decode"] = llm_batch.run()
+    results["asr_batched_finals"] = asr_batch.run()
     audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
     if audio.exists():
         clips = tuple(str(audio / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "wizard", "horizon"))

@@ -1,18 +1,20 @@
 """Deadline scheduling against first come, first served, side by side in one run (issue 13).
 
-`deadline` is the mesh as shipped: the LLM serves calls earliest deadline first, a reply past its urgent words
-gives its slot up to an earlier deadline; the TTS
-synthesizes chunks earliest deadline first; the ASR decodes partials on a niced model copy of their own. `fifo`
-turns all of it off (`VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`, `VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`,
-`VOICEMESH_ASR_PARTIAL_NICE=0`): every stage serves work in the order it arrives. Both leave the LLM's flow control
-off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default). Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going
-first) and runs `voicemesh loadtest` at every session count on it; turns are pooled over the rounds, so each
-level's percentiles come from rounds x sessions x turns turns.
+`deadline` is the mesh as shipped: the LLM serves calls earliest deadline first, and a reply past its urgent words
+gives its slot up to an earlier deadline; the TTS synthesizes chunks earliest deadline first; the ASR decodes
+partials on a niced model copy of their own. `fifo` turns all of it off (`VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`,
+`VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`, `VOICEMESH_ASR_PARTIAL_NICE=0`): every stage serves work in the order
+it arrives. Both leave the LLM's flow control off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default).
+
+Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going first) and runs
+`voicemesh loadtest` at every session count on it; turns are pooled over the rounds, so each level's percentiles
+come from rounds x sessions x turns turns.
 
 `python -m bench.scheduling [--levels 1,2,4,6,8] [--arrival sync,staggered] [--turns 3] [--rounds 1]` prints JSON:
 per arrival mode, level and variant the V2V percentiles, failed turns, the replies that ran dry (and for how long
-in all), the queue medians; per level the ratio deadline / fifo (the second variant / the first) of V2V p50 and p99; and each variant's capacity
-(the most sessions, from 1 up, with p99 V2V <= --budget-ms and no failed turn).
+in all), how far ahead of playout later chunks came, the queue medians; per level the ratio of the second variant
+to the first (deadline / fifo) of V2V p50 and p99; and each variant's capacity (the most sessions, from 1 up, with
+p99 V2V <= --budget-ms and no failed turn).
 """
 
 from __future__ import annotations
