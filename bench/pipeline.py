@@ -6,7 +6,10 @@
   (c) all on:   the gateway's defaults: final ASR pass on the trimmed window started at the first silence,
                 speculative start on the endpoint candidate, word chunking (k=2), streaming.
 
-V2V per turn = first reply audio frame received by the client - send time of the clip's last speech frame.
+V2V per turn = first reply audio frame received by the client - send time of the clip's last speech frame. A
+clip the gateway cut into several turns (a pause inside it ended a turn: the fixed 200 ms hangover of (a) and (b)
+cuts spk1_snt1 before "the small dog") counts its last turn, the reply to the whole utterance, and the cut goes
+into `split_clips`; a clip with no answered turn is a failed turn.
 Modes are interleaved round by round so drift in machine load hits all alike. `python -m bench.pipeline`.
 """
 
@@ -75,6 +78,8 @@ class ModeSummary:
 
     turns: int
     failed_turns: int
+    split_clips: int
+    """Clips the gateway ended a turn inside (the user would have been cut off)."""
     v2v_p50_ms: float | None
     v2v_p95_ms: float | None
     v2v_max_ms: float | None
@@ -84,7 +89,7 @@ class ModeSummary:
     completion_tokens_median: float | None
 
     @classmethod
-    def of(cls, rows: list[MeasuredTurn], failed_turns: int) -> ModeSummary:
+    def of(cls, rows: list[MeasuredTurn], failed_turns: int, split_clips: int) -> ModeSummary:
         v2v = [row.v2v_ms for row in rows]
         stages = (
             {
@@ -97,6 +102,7 @@ class ModeSummary:
         return cls(
             turns=len(v2v),
             failed_turns=failed_turns,
+            split_clips=split_clips,
             v2v_p50_ms=round(float(np.percentile(v2v, 50)), 1) if v2v else None,
             v2v_p95_ms=round(float(np.percentile(v2v, 95)), 1) if v2v else None,
             v2v_max_ms=max(v2v) if v2v else None,
@@ -110,27 +116,33 @@ class ModeSummary:
         return asdict(self)
 
 
-async def _turn(target: str, clip_name: str, options: conversation_pb2.PipelineOptions) -> MeasuredTurn | None:
+async def _turn(
+    target: str, clip_name: str, options: conversation_pb2.PipelineOptions
+) -> tuple[MeasuredTurn | None, bool]:
+    """The clip's answered turn (its last, if the gateway cut the clip into several), and whether it was cut."""
     config = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000, options=options)
     turns, _, _ = await talk(target, read_wav(CLIPS / f"{clip_name}.wav"), config, trailing_silence_s=2.5)
+    split = len(turns) > 1
     # A turn with V2V has its metrics too (V2V is measured from the speech end they carry).
-    if not turns or (v2v_ms := turns[0].v2v_ms) is None or turns[0].metrics is None:
-        return None
-    return MeasuredTurn(clip_name, turns[0], round(v2v_ms, 1), turns[0].metrics.server)
+    if not turns or (v2v_ms := turns[-1].v2v_ms) is None or turns[-1].metrics is None:
+        return None, split
+    return MeasuredTurn(clip_name, turns[-1], round(v2v_ms, 1), turns[-1].metrics.server), split
 
 
 async def measure(target: str, modes: list[str], clips: list[str], rounds: int) -> dict[str, object]:
     rows: dict[str, list[MeasuredTurn]] = {mode: [] for mode in modes}
     failed: dict[str, int] = dict.fromkeys(modes, 0)
+    split: dict[str, int] = dict.fromkeys(modes, 0)
     for _ in range(rounds):
         for clip in clips:
             for mode in modes:
-                row = await _turn(target, clip, MODES[mode])
+                row, was_split = await _turn(target, clip, MODES[mode])
+                split[mode] += was_split
                 if row is None:
                     failed[mode] += 1
                 else:
                     rows[mode].append(row)
-    summaries = {mode: ModeSummary.of(rows[mode], failed[mode]) for mode in modes}
+    summaries = {mode: ModeSummary.of(rows[mode], failed[mode], split[mode]) for mode in modes}
     result: dict[str, object] = {mode: summary.to_json() for mode, summary in summaries.items()}
     if "a_naive" in summaries and "c_all_on" in summaries:
         a, c = summaries["a_naive"].v2v_p50_ms, summaries["c_all_on"].v2v_p50_ms
