@@ -80,12 +80,12 @@ def test_a_reply_keeps_its_slot_until_its_urgent_words_are_out(said: str, urgent
 async def test_a_reply_held_back_for_running_ahead_queues_again_only_once_its_playout_has_caught_up() -> None:
     engine, slot = one_slot(max_ahead_s=MIN_AHEAD_S)
     await engine._acquire("other")  # someone holds the slot meanwhile
-    # Streamed 1.5 s more than RESUME_AT of max_ahead_s ahead of its listener: it waits that long, out of line.
-    playout = _Playout(started=time.monotonic(), text="x" * round(15 * (RESUME_AT * MIN_AHEAD_S + 0.3)))
+    # Streamed 0.8 s more than RESUME_AT of max_ahead_s ahead of its listener: it waits that long, out of line.
+    playout = _Playout(started=time.monotonic(), text="x" * round(15 * (RESUME_AT * MIN_AHEAD_S + 0.8)))
     back = asyncio.ensure_future(engine._reacquire("held", playout))
     await asyncio.sleep(0.1)
     assert engine.waiting == 0, "held back: not in line while it is far enough ahead"
-    await asyncio.sleep(0.4)
+    await asyncio.sleep(1.0)
     assert engine.waiting == 1 and engine._earliest_waiting == pytest.approx(playout.deadline())
     engine._release(slot)
     assert await back is slot
