@@ -72,12 +72,17 @@ def budget_env(cpus: int, environ: dict[str, str] | None = None) -> dict[str, di
     return per_service
 
 
+def check_nice(nice: int, name: str = "nice") -> None:
+    """Refuse a nice value a background thread may not take (`name`: the setting's, for the message)."""
+    if nice not in NICE:
+        raise ValueError(f"{name}={nice} out of range; use 0-19")
+
+
 def lower_this_thread(nice: int) -> None:
     """Give the calling thread (and the threads it starts from now on) nice value `nice`, if that is lower
     priority than it has. Linux only, where nice is per thread; elsewhere it would renice the whole process, so it
     does nothing. Raising priority back would need CAP_SYS_NICE, so callers keep such threads for such work."""
-    if nice not in NICE:
-        raise ValueError(f"nice={nice} out of range; use 0-19")
+    check_nice(nice)
     if sys.platform.startswith("linux") and nice > os.getpriority(os.PRIO_PROCESS, 0):
         os.setpriority(os.PRIO_PROCESS, 0, nice)
 

@@ -34,8 +34,7 @@ class WorkerPool:
     def __init__(self, workers: int, name: str, nice: int = 0) -> None:
         if workers < 1:
             raise ValueError("workers must be >= 1")
-        if nice not in cpus.NICE:
-            raise ValueError(f"nice={nice} out of range; use 0-19")
+        cpus.check_nice(nice)
         self.nice = nice
         self.workers = workers
         self._free = workers

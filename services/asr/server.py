@@ -134,8 +134,8 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
     def load(self) -> None:
         if self.settings.turn_model not in ("smart-turn", "text"):
             raise ValueError(f"turn_model={self.settings.turn_model!r} unknown; use smart-turn or text")
-        if self.settings.partial_nice not in cpus.NICE:
-            raise ValueError(f"partial_nice={self.settings.partial_nice} out of range; use 0-19")
+        # Before the models load: a bad setting fails at once.
+        cpus.check_nice(self.settings.partial_nice, "partial_nice")
         audio_model = (
             SmartTurn(threads=self.settings.turn_model_threads) if self.settings.turn_model == "smart-turn" else None
         )

@@ -276,9 +276,8 @@ class LlamaCppEngine:
                     urgent_words=0,  # they were streamed before it gave its slot up
                 )
             yielded: _Yielded | None = None
-            async with contextlib.aclosing(
-                self._run(slot, part, playout)
-            ) as run:  # closed at once: that frees the slot
+            # Closed at once when it ends or yields: that frees the slot.
+            async with contextlib.aclosing(self._run(slot, part, playout)) as run:
                 async for item in run:
                     if isinstance(item, _Yielded):
                         yielded = item
