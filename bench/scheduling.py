@@ -1,10 +1,11 @@
 """Deadline scheduling against first come, first served, side by side in one run (issue 13).
 
-`deadline` is the mesh as shipped: the LLM serves calls earliest deadline first, and a reply past its urgent words
-gives its slot up to an earlier deadline; the TTS synthesizes chunks earliest deadline first; the ASR decodes
-partials on a niced model copy of their own. `fifo` turns all of it off (`VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`,
-`VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`, `VOICEMESH_ASR_PARTIAL_NICE=0`): every stage serves work in the order
-it arrives. Both leave the LLM's flow control off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default).
+`deadline` is the mesh as shipped: the LLM decodes up to 8 replies in one batch, and a reply past its urgent
+words sits out the steps that carry another's urgent work while its audio is far from running dry; the TTS
+synthesizes chunks earliest deadline first; the ASR decodes partials on a niced model copy of their own. `fifo` is
+the mesh before any of it (`VOICEMESH_LLM_MAX_BATCH=1`, `VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`,
+`VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`, `VOICEMESH_ASR_PARTIAL_NICE=0`): one reply at a time, and every stage
+serves work in the order it arrives. `--variant` isolates one change (e.g. `VOICEMESH_LLM_MAX_BATCH=1` against 8). Both leave the LLM's flow control off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default).
 
 Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going first) and runs
 `voicemesh loadtest` at every session count on it; turns are pooled over the rounds, so each level's percentiles
@@ -41,12 +42,14 @@ from voicemesh.stages import QUEUE_STAGES
 CLIPS = Path(__file__).resolve().parents[2] / "shared" / "audio"
 VARIANTS: dict[str, dict[str, str]] = {
     "fifo": {
+        "VOICEMESH_LLM_MAX_BATCH": "1",
         "VOICEMESH_LLM_YIELD_TO_NEW_TURNS": "false",
         "VOICEMESH_LLM_MAX_AHEAD_S": "0",
         "VOICEMESH_TTS_SCHEDULE_BY_DEADLINE": "false",
         "VOICEMESH_ASR_PARTIAL_NICE": "0",
     },
     "deadline": {
+        "VOICEMESH_LLM_MAX_BATCH": "8",
         "VOICEMESH_LLM_YIELD_TO_NEW_TURNS": "true",
         "VOICEMESH_LLM_MAX_AHEAD_S": "0",
         "VOICEMESH_TTS_SCHEDULE_BY_DEADLINE": "true",

@@ -82,7 +82,7 @@ class _Waiter:
 
 
 @dataclass
-class _Playout:
+class Playout:
     """When a reply's audio will run dry, as far as the engine can tell: it starts playing about when its urgent
     words are out (`started`, on time.monotonic) and lasts as long as its text takes to say."""
 
@@ -264,7 +264,7 @@ class LlamaCppEngine:
         slot = await self._acquire(request.session_id)
         queue_ms = (time.monotonic_ns() - enqueued) / 1e6
         first, completion = True, 0
-        playout = _Playout()
+        playout = Playout()
         while True:
             part = request
             if playout.text:  # it gave its slot up: carry on after what it streamed, from its saved state
@@ -300,7 +300,7 @@ class LlamaCppEngine:
                     acquire.cancel()  # the caller gave up while it waited: its place in line goes
             slot = acquire.result()
 
-    async def _reacquire(self, session_id: str, playout: _Playout) -> _Slot:
+    async def _reacquire(self, session_id: str, playout: Playout) -> _Slot:
         """The slot back for a reply that gave it up: by its deadline, and (flow control) not before its playout
         has caught up to RESUME_AT of `max_ahead_s`."""
         if self.max_ahead_s:
@@ -308,7 +308,7 @@ class LlamaCppEngine:
         return await self._acquire(session_id, playout.deadline())
 
     async def _run(
-        self, slot: _Slot, request: GenerationRequest, playout: _Playout
+        self, slot: _Slot, request: GenerationRequest, playout: Playout
     ) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
         """One generation on `slot` in a thread; the slot is released when the thread is done with it."""
         loop = asyncio.get_running_loop()
@@ -344,7 +344,7 @@ class LlamaCppEngine:
         self,
         slot: _Slot,
         request: GenerationRequest,
-        playout: _Playout,
+        playout: Playout,
         cancel: threading.Event,
         put: Callable[[GenerationChunk | _Yielded], None],
     ) -> None:
@@ -355,16 +355,18 @@ class LlamaCppEngine:
         room = self.n_ctx - request.max_tokens - 8
         if len(tokens) > room:
             raise ValueError(f"prompt has {len(tokens)} tokens; at most {room} fit with max_tokens")
-        cached = _common_prefix(list(llama._input_ids), tokens)
+        cached = common_prefix(list(llama._input_ids), tokens)
         saved = self._states.get(request.session_id)
         if saved is not None and slot.session_id != request.session_id:
-            if _common_prefix(saved.tokens, tokens) > cached:
+            if common_prefix(saved.tokens, tokens) > cached:
                 saved.load(llama)
-                cached = _common_prefix(saved.tokens, tokens)
+                cached = common_prefix(saved.tokens, tokens)
         slot.session_id = request.session_id
         if request.score_turn_end:
-            tokens, word = self._split_at_turn_end(llama, text, tokens)
-            cached = min(cached, _common_prefix(list(llama._input_ids), tokens))
+            tokens, word = split_at_turn_end(
+                lambda part, bos: llama.tokenize(part.encode(), add_bos=bos), self.prompt, text, tokens
+            )
+            cached = min(cached, common_prefix(list(llama._input_ids), tokens))
             scored = self._turn_end(llama, tokens, cached, word)
             if scored is not None:
                 put(GenerationChunk(turn_end=scored, score_ms=(time.monotonic_ns() - started) / 1e6))
@@ -430,19 +432,6 @@ class LlamaCppEngine:
             )
         )
 
-    def _split_at_turn_end(self, llama: Llama, text: str, tokens: list[int]) -> tuple[list[int], int | None]:
-        """`tokens` with a token boundary right after the user's last word, and the position of that word's last
-        token (None: no words to score). Gemma's tokenizer nearly always puts a boundary there; where a token
-        spans the word's end and the punctuation, the prompt is tokenized in two parts (that turn's successor then
-        misses the cache from this user line on)."""
-        offset = self.prompt.turn_end_offset(text)
-        if offset is None:
-            return tokens, None
-        head = llama.tokenize(text[:offset].encode(), add_bos=True)
-        if tokens[: len(head)] != head:
-            tokens = head + llama.tokenize(text[offset:].encode(), add_bos=False, special=False)
-        return tokens, len(head) - 1 if len(head) < len(tokens) else None
-
     def _turn_end(self, llama: Llama, tokens: list[int], cached: int, word: int | None) -> float | None:
         """P(a sentence end or a line break right after the user's last word): the model's own sense of whether
         the utterance is finished.
@@ -466,14 +455,12 @@ class LlamaCppEngine:
                 llama._batch.batch.logits[word - first] = True
             llama._ctx.decode(llama._batch)
             if first <= word < first + len(chunk):
-                row = np.ctypeslib.as_array(llama._ctx.get_logits_ith(word - first), shape=(llama.n_vocab(),))
-                scored = row.astype(np.float64)
+                scored = np.ctypeslib.as_array(llama._ctx.get_logits_ith(word - first), shape=(llama.n_vocab(),))
             llama.input_ids[first : first + len(chunk)] = chunk
             llama.n_tokens = first + len(chunk)
         llama._requires_eval = False  # the last row is live: create_completion samples from it at once
         assert scored is not None
-        probabilities = np.exp(scored - scored.max())
-        return float(probabilities[self._end_tokens].sum() / probabilities.sum())
+        return turn_end_probability(scored, self._end_tokens)
 
     def _save_state(self, session_id: str, llama: Llama) -> None:
         # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
@@ -499,6 +486,29 @@ def past_urgent(said: str, urgent_words: int) -> bool:
     return bool(said.strip()) and len(said.split()) > urgent_words
 
 
+def split_at_turn_end(
+    tokenize: Callable[[str, bool], list[int]], prompt: CompletionPrompt, text: str, tokens: list[int]
+) -> tuple[list[int], int | None]:
+    """`tokens` (`text` tokenized, with a BOS) with a token boundary right after the user's last word, and the
+    position of that word's last token (None: no words to score). Gemma's tokenizer nearly always puts a boundary
+    there; where a token spans the word's end and the punctuation, the prompt is tokenized in two parts (that turn's
+    successor then misses the cache from this user line on). `tokenize(text, add_bos)`."""
+    offset = prompt.turn_end_offset(text)
+    if offset is None:
+        return tokens, None
+    head = tokenize(text[:offset], True)
+    if tokens[: len(head)] != head:
+        tokens = head + tokenize(text[offset:], False)
+    return tokens, len(head) - 1 if len(head) < len(tokens) else None
+
+
+def turn_end_probability(logits: np.ndarray, end_ids: np.ndarray) -> float:
+    """P(the next token ends the user's line), from the logits at the user's last word."""
+    scores = logits.astype(np.float64)
+    probabilities = np.exp(scores - scores.max())
+    return float(probabilities[end_ids].sum() / probabilities.sum())
+
+
 def end_tokens(llama: Llama) -> np.ndarray:
     """The ids of tokens that end a user's line: those starting (after spaces) with . ? ! or a line break."""
     ids = []
@@ -509,7 +519,7 @@ def end_tokens(llama: Llama) -> np.ndarray:
     return np.array(ids, dtype=np.int64)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     count = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -40,7 +40,14 @@ class LlmSettings(config.ServerSettings):
         2, "llama.cpp threads for token generation (it slows sharply when the cores are oversubscribed)"
     )
     n_threads_batch: int = config.setting(2, "llama.cpp threads for prompt prefill (time to first token)")
-    slots: int = config.setting(1, "llama.cpp requests served at once (one model copy each); more wait in line")
+    slots: int = config.setting(
+        1, "llama.cpp with max_batch 1: requests served at once (one model copy each); more wait in line"
+    )
+    max_batch: int = config.setting(
+        8,
+        "llama_cpp: replies decoded together, one sequence each in one KV cache of one model copy, one decode call "
+        "per step (urgent work first, see yield_to_new_turns); more wait in line; 1 = one reply at a time per slot",
+    )
     n_ctx: int = config.setting(2048, "context window in tokens")
     yield_to_new_turns: bool = config.setting(
         True,
@@ -124,6 +131,21 @@ def build_engine(settings: LlmSettings) -> Engine:
         from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 
         path = Path(settings.model_path) if settings.model_path else default_model_path()
+        if not 1 <= settings.max_batch <= 64:
+            raise SystemExit(f"max_batch={settings.max_batch} out of range; use 1-64")
+        if settings.max_batch > 1 and (settings.slots > 1 or settings.max_ahead_s):
+            raise SystemExit("max_batch > 1 decodes every reply in one context: leave slots at 1 and max_ahead_s at 0")
+        if settings.max_batch > 1:
+            from services.llm.llama_batch_engine import LlamaBatchEngine
+
+            return LlamaBatchEngine(
+                path,
+                n_threads=settings.n_threads,
+                n_threads_batch=settings.n_threads_batch,
+                max_batch=settings.max_batch,
+                n_ctx=settings.n_ctx,
+                prioritize=settings.yield_to_new_turns,
+            )
         return LlamaCppEngine(
             path,
             n_threads=settings.n_threads,

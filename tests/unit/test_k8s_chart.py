@@ -138,6 +138,7 @@ def test_gpu_values_run_vllm_on_a_gpu(rendered):
         assert "nvidia.com/gpu" not in str(container(deployment(rendered["gpu"], component))["resources"])
     assert "nvidia.com/gpu" not in str(container(deployment(rendered["default"], "llm"))["resources"])
     assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_ENGINE"] == "llama_cpp"
+    assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_MAX_BATCH"] == "8", "batched on CPU"
 
 
 def test_cpu_small_runs_one_replica_each_without_autoscalers(rendered):

@@ -492,6 +492,8 @@ true
 - name: {{ $prefix }}N_THREADS_BATCH
   value: {{ $cpus | quote }}
 {{- end }}
+- name: {{ $prefix }}MAX_BATCH
+  value: {{ $c.maxBatch | quote }}
 - name: {{ $prefix }}MAX_NUM_SEQS
   value: {{ $c.maxNumSeqs | quote }}
 - name: {{ $prefix }}MAX_NUM_BATCHED_TOKENS

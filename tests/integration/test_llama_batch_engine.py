@@ -1,0 +1,135 @@
+"""The batched llama.cpp engine in process, on the real Gemma 3 270M: several replies in one decode per step, each
+session's prefix kept, urgent work first, cancellation within a step."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+
+from services.llm.engine import GenerationChunk, GenerationRequest, Message
+from services.llm.llama_batch_engine import LlamaBatchEngine
+from services.llm.llama_cpp_engine import default_model_path
+
+pytestmark = pytest.mark.integration
+
+MAX_BATCH = 3
+LONG = "Say the alphabet."
+LONG_START = "A, B, C, D, E,"  # a reply of ~45 tokens, once begun
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engines():
+    engines = {
+        "urgent_first": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH),
+        "every_step": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, prioritize=False),
+    }
+    for engine in engines.values():
+        await engine.start()
+    yield engines
+    for engine in engines.values():
+        await engine.close()
+
+
+async def _chunks(engine: LlamaBatchEngine, session: str, text: str, **fields: object) -> list[GenerationChunk]:
+    request = GenerationRequest(session, [Message("user", text)], max_tokens=48, **fields)  # type: ignore[arg-type]
+    return [chunk async for chunk in engine.generate(request)]
+
+
+def _text(chunks: list[GenerationChunk]) -> str:
+    return "".join(chunk.text for chunk in chunks)
+
+
+async def test_replies_in_flight_share_each_decode_step(engines) -> None:
+    engine = engines["urgent_first"]
+    questions = ["What is the capital of France?", "How long does it take to boil an egg?", LONG]
+    steps = engine.steps
+    replies = await asyncio.gather(*(_chunks(engine, f"share-{i}", q) for i, q in enumerate(questions)))
+    for chunks in replies:
+        assert _text(chunks).strip(), chunks
+        assert chunks[-1].finish_reason in ("stop", "length")
+        assert "\n" not in _text(chunks) and "User:" not in _text(chunks), "the stop strings end a reply"
+    tokens = sum(chunks[-1].completion_tokens for chunks in replies)
+    assert engine.steps - steps < tokens, "several replies' tokens in one decode call"
+    assert " " in _text(replies[0]), "words keep their spaces (a piece carries its leading one)"
+
+
+async def test_a_follow_up_turn_prefills_only_its_new_tokens(engines) -> None:
+    engine = engines["urgent_first"]
+    first = await _chunks(engine, "follow", "What is the capital of France?")
+    dialogue = [
+        Message("user", "What is the capital of France?"),
+        Message("assistant", _text(first)),
+        Message("user", "And of Spain?"),
+    ]
+    second = [c async for c in engine.generate(GenerationRequest("follow", dialogue, max_tokens=16))]
+    assert second[-1].cached_prompt_tokens > first[-1].prompt_tokens, (first[-1], second[-1])
+
+
+async def test_a_session_whose_sequence_was_taken_over_gets_its_copy_back(engines) -> None:
+    engine = engines["urgent_first"]
+    first = await _chunks(engine, "evicted", "What is the capital of France?")
+    for index in range(MAX_BATCH):  # as many other sessions as there are sequences: the least recent goes
+        await _chunks(engine, f"newcomer-{index}", f"Name a color, number {index}.")
+    assert "evicted" in engine._saved
+    dialogue = [
+        Message("user", "What is the capital of France?"),
+        Message("assistant", _text(first)),
+        Message("user", "And of Spain?"),
+    ]
+    second = [c async for c in engine.generate(GenerationRequest("evicted", dialogue, max_tokens=16))]
+    assert second[-1].cached_prompt_tokens > first[-1].prompt_tokens, (first[-1], second[-1])
+
+
+async def test_a_new_session_starts_from_the_shared_head_of_the_prompt(engines) -> None:
+    chunks = await _chunks(engines["urgent_first"], "fresh", "Tell me about cats.")
+    assert chunks[-1].cached_prompt_tokens >= 100, "persona and examples come from the head sequence"
+
+
+async def test_a_closed_reply_stops_within_a_step(engines) -> None:
+    engine = engines["urgent_first"]
+    request = GenerationRequest("cancel", [Message("user", LONG)], max_tokens=48, reply_prefix=LONG_START)
+    stream = engine.generate(request)
+    async for chunk in stream:
+        if chunk.text:
+            break
+    await stream.aclose()
+    await asyncio.sleep(0.05)
+    steps = engine.steps
+    await asyncio.sleep(0.3)
+    assert engine.steps == steps, "nothing left to decode"
+    assert not engine._active and not engine._waiting
+
+
+async def test_the_turn_end_score_comes_before_the_reply(engines) -> None:
+    finished = await _chunks(engines["urgent_first"], "score", "What is the capital of France?", score_turn_end=True)
+    broken = await _chunks(engines["urgent_first"], "score-2", "I was wondering if the", score_turn_end=True)
+    assert finished[0].turn_end is not None and broken[0].turn_end is not None
+    assert not finished[0].text and _text(finished[1:]).strip()
+    assert finished[0].turn_end > 0.5 > broken[0].turn_end, (finished[0].turn_end, broken[0].turn_end)
+
+
+async def test_a_prompt_too_long_for_the_context_is_refused(engines) -> None:
+    with pytest.raises(ValueError, match="tokens; at most"):
+        await _chunks(engines["urgent_first"], "long", "word " * 3000)
+
+
+@pytest.mark.parametrize("mode", ["urgent_first", "every_step"])
+async def test_a_reply_far_ahead_of_its_listener_sits_out_a_new_turns_prompt(engines, mode: str) -> None:
+    engine = engines[mode]
+    request = GenerationRequest("ahead", [Message("user", LONG)], max_tokens=48, reply_prefix=LONG_START)
+    said = ""
+    stream = engine.generate(request)
+    newcomer: asyncio.Future[list[GenerationChunk]] | None = None
+    async for chunk in stream:
+        said += chunk.text
+        if newcomer is None and len(said) > 40:  # ~3 s of speech out within a fraction of one: far ahead
+            sat_out = engine.sat_out
+            newcomer = asyncio.ensure_future(_chunks(engine, "newcomer", "What is the capital of France?"))
+    assert newcomer is not None
+    assert _text(await newcomer).strip()
+    if mode == "urgent_first":
+        assert engine.sat_out > sat_out, "the long reply left the newcomer's prompt step to it"
+    else:
+        assert engine.sat_out == sat_out

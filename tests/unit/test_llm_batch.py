@@ -1,0 +1,93 @@
+"""The batched llama.cpp engine's pure parts: sampling as llama-cpp-python does it, stop strings held back, and
+which replies go into a step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from services.llm.engine import GenerationRequest, Message
+from services.llm.llama_batch_engine import CONTINUATION_DUE_S, N_BATCH, _held_back, _Reply, plan_step, sample
+from services.llm.llama_cpp_engine import Playout
+
+VOCAB = 1000
+
+
+def _logits(**values: float) -> np.ndarray:
+    logits = np.full(VOCAB, -5.0, dtype=np.float32)
+    for name, value in values.items():
+        logits[int(name[1:])] = value
+    return logits
+
+
+def test_greedy_takes_the_top_logit() -> None:
+    assert sample(_logits(t7=3.0, t9=2.0), [], 0.0, 0.95, np.random.default_rng(0)) == 7
+
+
+def test_the_repeat_penalty_divides_a_positive_logit_and_multiplies_a_negative_one() -> None:
+    rng = np.random.default_rng(0)
+    assert sample(_logits(t1=1.05, t2=1.0), [1], 0.0, 0.95, rng) == 2, "1.05 / 1.1 < 1.0"
+    assert sample(_logits(t1=1.05, t2=1.0), [], 0.0, 0.95, rng) == 1
+    negative = np.full(VOCAB, -9.0, dtype=np.float32)
+    negative[1], negative[2] = -1.0, -1.05
+    assert sample(negative, [1], 0.0, 0.95, rng) == 2, "-1.0 x 1.1 < -1.05"
+
+
+def test_a_token_repeated_is_penalized_once_not_per_repeat() -> None:
+    rng = np.random.default_rng(0)
+    assert sample(_logits(t1=1.2, t2=1.0), [1, 1, 1, 1], 0.0, 0.95, rng) == 1, "1.2 / 1.1 > 1.0; 1.2 / 1.1^4 < 1.0"
+
+
+def test_sampling_draws_only_from_the_top_tokens_and_a_seed_repeats_it() -> None:
+    logits = np.linspace(0.0, 8.0, VOCAB).astype(np.float32)  # every token possible, the last ones likeliest
+    draws = [sample(logits, [], 1.0, 0.95, np.random.default_rng(seed)) for seed in range(300)]
+    assert min(draws) >= VOCAB - 40, "top-k 40"
+    assert len(set(draws)) > 5, "a draw, not the argmax"
+    assert draws == [sample(logits, [], 1.0, 0.95, np.random.default_rng(seed)) for seed in range(300)]
+    peaked = _logits(t3=10.0, t4=7.5)  # token 4 has p ~ 0.08 of token 3's: above min-p 0.05; the rest far below
+    assert {sample(peaked, [], 1.0, 1.0, np.random.default_rng(seed)) for seed in range(200)} == {3, 4}
+
+
+@pytest.mark.parametrize(
+    ("text", "held"),
+    [("Hello", 0), ("Hello U", 1), ("Hello Use", 3), ("Hello Assistant", 9), ("Hello Us.", 0), ("", 0)],
+)
+def test_text_that_could_begin_a_stop_string_waits_for_the_next_token(text: str, held: int) -> None:
+    assert _held_back(text, ("\n", "User:", "Assistant:")) == held
+
+
+def _reply(loop: asyncio.AbstractEventLoop, prompt: int, pending: int, started: float | None, said: str = "") -> _Reply:
+    request = GenerationRequest("s", [Message("user", "hi")])
+    reply = _Reply(request, list(range(prompt)), None, ("\n",), loop, asyncio.Queue())
+    reply.position = prompt - pending if pending > 1 else prompt
+    reply.pending = list(range(pending))
+    reply.playout = Playout(started=started)
+    reply.text = said
+    return reply
+
+
+async def test_a_step_with_urgent_work_leaves_out_replies_far_ahead_of_their_listener() -> None:
+    loop = asyncio.get_running_loop()
+    now = time.monotonic()
+    new = _reply(loop, prompt=130, pending=40, started=None)
+    ahead = _reply(loop, prompt=120, pending=1, started=now, said="x" * 60)  # 4 s of speech streamed
+    due = _reply(loop, prompt=120, pending=1, started=now - 3.9, said="x" * 60)  # runs dry in 0.1 s
+    first_words = _reply(loop, prompt=120, pending=1, started=None, said="It")  # its listener still waits
+    plan = dict(plan_step([ahead, due, new, first_words], now, prioritize=True))
+    assert plan == {new: 40, first_words: 1, due: 1}
+    assert plan_step([ahead, due], now, prioritize=True) == [(ahead, 1), (due, 1)], "nothing urgent: all go"
+    assert len(plan_step([ahead, due, new], now, prioritize=False)) == 3, "first come, first served: all go"
+    assert 4.0 - 3.9 < CONTINUATION_DUE_S
+
+
+async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
+    loop = asyncio.get_running_loop()
+    big = _reply(loop, prompt=700, pending=700, started=None)
+    small = _reply(loop, prompt=130, pending=20, started=None)
+    big.enqueued_ns, small.enqueued_ns = 1, 2
+    assert plan_step([small, big], time.monotonic(), prioritize=True) == [(big, N_BATCH)], "in arrival order"
+    big.pending = big.pending[N_BATCH:]
+    assert plan_step([small, big], time.monotonic(), prioritize=True) == [(big, 700 - N_BATCH), (small, 20)]
