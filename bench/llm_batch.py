@@ -4,12 +4,16 @@ the same batch), side by side in one run. The question behind it (issue 13): wou
 several conversations at once, with one copy of the model, hold more sessions than one that takes turns?
 
 Greedy decoding on real prompts (the persona, the examples and a user line), after a prefill that is not timed.
+Then the same question of the engines as shipped: N replies at once through the batched engine (`max_batch` 8)
+and through the slot engine (one reply at a time, `max_batch` 1), with every cost in (prefill, sampling, stop
+strings, the asyncio hand-off), as aggregate completion tokens/s and the replies' first-token times.
 `python -m bench.llm_batch`.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import statistics
 import sys
@@ -19,8 +23,9 @@ import llama_cpp
 import numpy as np
 from llama_cpp import Llama
 
-from services.llm.engine import Message
-from services.llm.llama_cpp_engine import default_model_path
+from services.llm.engine import GenerationRequest, Message
+from services.llm.llama_batch_engine import LlamaBatchEngine
+from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 from services.llm.prompt import CompletionPrompt
 
 QUESTIONS = (
@@ -118,12 +123,79 @@ def run(steps: int = 48, threads: int = 2, levels: tuple[int, ...] = (1, 2, 4)) 
     }
 
 
+async def _replies(engine: LlamaBatchEngine | LlamaCppEngine, streams: int, round_: int) -> dict[str, float]:
+    """`streams` replies at once, each continuing the alphabet (~45 tokens), new sessions every round."""
+
+    async def one(index: int) -> tuple[int, float]:
+        request = GenerationRequest(
+            f"bench-{round_}-{index}",
+            [Message("user", f"{QUESTIONS[index % len(QUESTIONS)]} Then say the alphabet.")],
+            max_tokens=48,
+            reply_prefix="A, B, C, D,",
+        )
+        started, first = time.perf_counter(), 0.0
+        async for chunk in engine.generate(request):
+            if chunk.text and not first:
+                first = time.perf_counter() - started
+            if chunk.finish_reason:
+                return chunk.completion_tokens, first
+        return 0, first
+
+    started = time.perf_counter()
+    results = await asyncio.gather(*(one(index) for index in range(streams)))
+    wall = time.perf_counter() - started
+    return {
+        "tokens": sum(tokens for tokens, _ in results),
+        "wall_s": wall,
+        "first_token_ms_p50": 1000 * statistics.median(first for _, first in results),
+    }
+
+
+async def compare_engines(levels: tuple[int, ...], rounds: int, threads: int) -> dict[str, object]:
+    """Aggregate tokens/s and first-token times of both engines at each level, rounds interleaved."""
+    engines: dict[str, LlamaBatchEngine | LlamaCppEngine] = {
+        "batch": LlamaBatchEngine(default_model_path(), n_threads=threads, n_threads_batch=threads, max_batch=8),
+        "slots": LlamaCppEngine(default_model_path(), n_threads=threads, n_threads_batch=threads),
+    }
+    for engine in engines.values():
+        await engine.start()
+        await _replies(engine, 2, -1)  # warm-up
+    runs: dict[str, dict[int, list[dict[str, float]]]] = {name: {n: [] for n in levels} for name in engines}
+    try:
+        for round_ in range(rounds):
+            for streams in levels:
+                for name, engine in engines.items():
+                    runs[name][streams].append(await _replies(engine, streams, round_))
+    finally:
+        for engine in engines.values():
+            await engine.close()
+    table: dict[str, object] = {}
+    for streams in levels:
+        row: dict[str, object] = {}
+        for name in engines:
+            done = runs[name][streams]
+            row[name] = {
+                "aggregate_tokens_per_s": round(sum(r["tokens"] for r in done) / sum(r["wall_s"] for r in done), 1),
+                "first_token_ms_p50": round(statistics.median(r["first_token_ms_p50"] for r in done), 1),
+            }
+        batch, slots = row["batch"], row["slots"]
+        assert isinstance(batch, dict) and isinstance(slots, dict)
+        row["batch_over_slots_tokens_per_s"] = round(
+            batch["aggregate_tokens_per_s"] / slots["aggregate_tokens_per_s"], 2
+        )
+        table[str(streams)] = row
+    return {"rounds": rounds, "max_tokens": 48, "levels": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the engine comparison")
     args = parser.parse_args()
-    json.dump(run(args.steps, args.threads), sys.stdout, indent=2)
+    result = run(args.steps, args.threads, levels=(1, 2, 4, 8))
+    result["engines"] = asyncio.run(compare_engines((1, 2, 4, 8), args.rounds, args.threads))
+    json.dump(result, sys.stdout, indent=2)
     print()
 
 

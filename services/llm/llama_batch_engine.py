@@ -462,7 +462,7 @@ class LlamaBatchEngine:
         batch.n_tokens = len(rows)
         for index, (token, position, seq, wanted) in enumerate(rows):
             batch.token[index] = token
-            batch.pos[index] = position
+            batch.pos[index] = position  # type: ignore[call-overload]  # llama_cpp types pos as an array of arrays
             batch.n_seq_id[index] = 1
             batch.seq_id[index][0] = seq
             batch.logits[index] = wanted
