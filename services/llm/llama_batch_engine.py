@@ -38,8 +38,10 @@ N_BATCH = 512  # tokens in one decode call: prompt chunks and every reply's next
 # A reply past its urgent words sits a step out while another's urgent work (a prompt, or the first words) is in the
 # step, unless its audio would run dry within this long (it then needs its next words now). A reply's row costs a
 # whole output layer (Gemma 3's 262,144-token vocabulary: more than its transformer layers), so a step with a
-# prompt and seven continuations takes about a third longer than the prompt alone.
-CONTINUATION_DUE_S = 1.0
+# prompt and seven continuations takes about a third longer than the prompt alone. Once back, a reply has to write
+# its next chunk (up to 12 words, ~16 steps of ~45 ms with 8 replies in flight) and the TTS has to synthesize it:
+# at 1 s, 6-8 of 24 replies ran dry at 8 sessions (up to 0.67 s), against 1-6 (up to 0.23 s) with no sitting out.
+CONTINUATION_DUE_S = 2.0
 # llama-cpp-python's create_completion, which the slot engine uses: the penalty on the last 64 generated tokens,
 # and the sampling chain at a temperature above 0.
 REPEAT_PENALTY = 1.1
@@ -109,7 +111,7 @@ class LlamaBatchEngine:
     the prompt's fixed head (persona and examples), which the cache shares rather than duplicates.
 
     Urgent work goes first: while a step carries a prompt or a reply's first words, the other replies sit it out
-    unless their audio would run dry within `CONTINUATION_DUE_S` (`prioritize`; false: every reply in every step).
+    unless their audio would run dry within `continuation_due_s` (`prioritize`; false: every reply in every step).
     A cancelled reply stops within one step.
     """
 
@@ -123,7 +125,10 @@ class LlamaBatchEngine:
         saved_sessions: int = 64,
         prompt: CompletionPrompt | None = None,
         prioritize: bool = True,
+        continuation_due_s: float = CONTINUATION_DUE_S,
     ) -> None:
+        if continuation_due_s <= 0:
+            raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")
         if not 1 <= max_batch <= 64:
             raise ValueError(f"max_batch={max_batch} out of range; use 1-64")
         self.model_path = model_path
@@ -134,6 +139,7 @@ class LlamaBatchEngine:
         self.n_ctx = n_ctx  # per sequence
         self.prompt = prompt or CompletionPrompt()
         self.prioritize = prioritize
+        self.continuation_due_s = continuation_due_s
         self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step for others' urgent work
@@ -316,7 +322,7 @@ class LlamaBatchEngine:
             if resident.session_id is not None:
                 self._save(seq)
             llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
-            saved = self._saved.get(session)
+            saved = self._saved.pop(session, None)  # its sequence is the copy now; saved again when taken over
             if saved is not None and common_prefix(saved.tokens, reply.prompt) > common_prefix(
                 self._head, reply.prompt
             ):
@@ -362,7 +368,7 @@ class LlamaBatchEngine:
 
     def _step(self) -> None:
         """One decode call: every admitted reply's next tokens, urgent ones first."""
-        plan = plan_step(self._active, time.monotonic(), self.prioritize)
+        plan = plan_step(self._active, time.monotonic(), self.continuation_due_s if self.prioritize else None)
         self.sat_out += len(self._active) - len(plan)
         rows: list[tuple[int, int, int, bool]] = []
         taken: list[tuple[_Reply, int, int]] = []  # reply, its first row, its row count
@@ -475,16 +481,18 @@ class LlamaBatchEngine:
         return np.ctypeslib.as_array(pointer, shape=(self._vocab_size,))
 
 
-def plan_step(replies: list[_Reply], now: float, prioritize: bool, budget: int = N_BATCH) -> list[tuple[_Reply, int]]:
+def plan_step(
+    replies: list[_Reply], now: float, due_s: float | None = CONTINUATION_DUE_S, budget: int = N_BATCH
+) -> list[tuple[_Reply, int]]:
     """Which replies go into the next step, and how many of their pending tokens: urgent ones first, in arrival
-    order, up to `budget` tokens; with `prioritize`, a reply past its first words sits out a step that carries
-    urgent work unless its audio would run dry within CONTINUATION_DUE_S."""
+    order, up to `budget` tokens. A reply past its first words sits out a step that carries urgent work unless its
+    audio would run dry within `due_s` (None: it never sits out)."""
     urgent = any(reply.urgent for reply in replies)
     plan: list[tuple[_Reply, int]] = []
     for reply in sorted(replies, key=lambda r: (not r.urgent, r.enqueued_ns)):
         if budget == 0:
             break
-        if prioritize and urgent and not reply.urgent and reply.playout.runs_dry(reply.text) - now > CONTINUATION_DUE_S:
+        if due_s is not None and urgent and not reply.urgent and reply.playout.runs_dry(reply.text) - now > due_s:
             continue
         count = min(budget, len(reply.pending))
         plan.append((reply, count))

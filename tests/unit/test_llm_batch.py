@@ -4,14 +4,16 @@ which replies go into a step."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
 import pytest
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_batch_engine import CONTINUATION_DUE_S, N_BATCH, _held_back, _Reply, plan_step, sample
+from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, sample
 from services.llm.llama_cpp_engine import Playout
+from services.llm.server import LlmSettings, build_engine
 
 VOCAB = 1000
 
@@ -76,11 +78,16 @@ async def test_a_step_with_urgent_work_leaves_out_replies_far_ahead_of_their_lis
     ahead = _reply(loop, prompt=120, pending=1, started=now, said="x" * 60)  # 4 s of speech streamed
     due = _reply(loop, prompt=120, pending=1, started=now - 3.9, said="x" * 60)  # runs dry in 0.1 s
     first_words = _reply(loop, prompt=120, pending=1, started=None, said="It")  # its listener still waits
-    plan = dict(plan_step([ahead, due, new, first_words], now, prioritize=True))
+    plan = dict(plan_step([ahead, due, new, first_words], now, due_s=1.0))
     assert plan == {new: 40, first_words: 1, due: 1}
-    assert plan_step([ahead, due], now, prioritize=True) == [(ahead, 1), (due, 1)], "nothing urgent: all go"
-    assert len(plan_step([ahead, due, new], now, prioritize=False)) == 3, "first come, first served: all go"
-    assert 4.0 - 3.9 < CONTINUATION_DUE_S
+    assert dict(plan_step([ahead, due, new, first_words], now, due_s=4.5)) == {
+        new: 40,
+        first_words: 1,
+        due: 1,
+        ahead: 1,
+    }
+    assert plan_step([ahead, due], now, due_s=1.0) == [(ahead, 1), (due, 1)], "nothing urgent: all go"
+    assert len(plan_step([ahead, due, new], now, due_s=None)) == 3, "never sitting out: all go"
 
 
 async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
@@ -88,6 +95,22 @@ async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
     big = _reply(loop, prompt=700, pending=700, started=None)
     small = _reply(loop, prompt=130, pending=20, started=None)
     big.enqueued_ns, small.enqueued_ns = 1, 2
-    assert plan_step([small, big], time.monotonic(), prioritize=True) == [(big, N_BATCH)], "in arrival order"
+    assert plan_step([small, big], time.monotonic()) == [(big, N_BATCH)], "in arrival order"
     big.pending = big.pending[N_BATCH:]
-    assert plan_step([small, big], time.monotonic(), prioritize=True) == [(big, 700 - N_BATCH), (small, 20)]
+    assert plan_step([small, big], time.monotonic()) == [(big, 700 - N_BATCH), (small, 20)]
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"max_batch": 0}, "max_batch=0 out of range; use 1-64"),
+        ({"max_batch": 65}, "max_batch=65 out of range"),
+        ({"continuation_due_s": 0.0}, "continuation_due_s=0 must be above 0"),
+        ({"max_batch": 4, "slots": 2}, "leave slots at 1"),
+        ({"max_batch": 4, "max_ahead_s": 3.0}, "max_ahead_s at 0"),
+    ],
+)
+def test_a_bad_batch_setting_stops_the_server_with_a_reason(fields: dict[str, object], words: str) -> None:
+    settings = dataclasses.replace(LlmSettings(), model_path="/nowhere/model.gguf", **fields)
+    with pytest.raises(SystemExit, match=words):
+        build_engine(settings)
