@@ -40,7 +40,8 @@ N_BATCH = 512  # tokens in one decode call: prompt chunks and every reply's next
 # whole output layer (Gemma 3's 262,144-token vocabulary: more than its transformer layers), so a step with a
 # prompt and seven continuations takes about a third longer than the prompt alone. Once back, a reply has to write
 # its next chunk (up to 12 words, ~16 steps of ~45 ms with 8 replies in flight) and the TTS has to synthesize it:
-# at 1 s, 6-8 of 24 replies ran dry at 8 sessions (up to 0.67 s), against 1-6 (up to 0.23 s) with no sitting out.
+# with 8 sessions (bench.scheduling, 48 replies per arrival mode), at 1 s 11 and 20 replies ran dry (up to 0.54 and
+# 0.68 s), at 2 s 3 and 12 (up to 0.08 and 0.22 s), never sitting out 7 and 13 (up to 0.36 and 0.21 s); V2V p50 alike.
 CONTINUATION_DUE_S = 2.0
 # llama-cpp-python's create_completion, which the slot engine uses: the penalty on the last 64 generated tokens,
 # and the sampling chain at a temperature above 0.

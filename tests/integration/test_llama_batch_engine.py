@@ -22,7 +22,8 @@ LONG_START = "A, B, C, D, E,"  # a reply of ~45 tokens, once begun
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engines():
     engines = {
-        "urgent_first": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH),
+        # Sitting out from 0.5 s before running dry: a reply 40 characters (2.7 s of speech) in is surely past it.
+        "urgent_first": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, continuation_due_s=0.5),
         "every_step": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, prioritize=False),
     }
     for engine in engines.values():
