@@ -32,7 +32,7 @@ async def served_by(backends: Backends, req: llm_pb2.GenerateRequest) -> str:
 async def test_sticky_sessions_admission_and_failover(services: dict[str, str]) -> None:
     mesh = Mesh()
     # Replica A: one slot and a budget so small that anyone who would queue is refused at once.
-    a = mesh.start("llm-a", free_port(), ["--replica", "llm-a", "--slots", "1", "--max-queue-wait-ms", "1"])
+    a = mesh.start("llm-a", free_port(), ["--replica", "llm-a", "--max-batch", "1", "--max-queue-wait-ms", "1"])
     b = mesh.start("llm-b", free_port(), ["--replica", "llm-b"])
     try:
         await mesh.wait()
