@@ -308,7 +308,14 @@ class LlamaBatchEngine:
             reply.put(None)
         while self._waiting and len(self._active) < self.max_batch:
             reply = self._waiting.popleft()
-            self._assign(reply)
+            try:
+                self._assign(reply)
+            except Exception as exc:  # e.g. a saved sequence llama.cpp would not take back: this reply fails alone
+                log.exception("could not give a reply a sequence")
+                reply.put(exc)
+                if reply.seq >= 0:
+                    self._forget(reply.seq)
+                continue
             self._active.append(reply)
 
     def _assign(self, reply: _Reply) -> None:
@@ -316,7 +323,7 @@ class LlamaBatchEngine:
         session = reply.request.session_id
         idle = [seq for seq, resident in enumerate(self._residents) if not resident.busy]
         own = [seq for seq in idle if self._residents[seq].session_id == session]
-        seq = own[0] if own else min(idle, key=lambda s: self._residents[s].used)
+        seq = reply.seq = own[0] if own else min(idle, key=lambda s: self._residents[s].used)
         resident = self._residents[seq]
         memory = llama_cpp.llama_get_memory(self._context)
         if resident.session_id != session:
@@ -338,7 +345,7 @@ class LlamaBatchEngine:
         if reply.word is not None:
             cached = min(cached, reply.word)  # its logits are read as it is evaluated
         llama_cpp.llama_memory_seq_rm(memory, seq, cached, -1)
-        reply.seq, reply.cached, reply.position = seq, cached, cached
+        reply.cached = reply.position = cached
         reply.pending = reply.prompt[cached:]
         reply.admitted_ns = time.monotonic_ns()
 

@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from services.llm.engine import GenerationChunk, GenerationRequest, Message
-from services.llm.llama_batch_engine import LlamaBatchEngine
+from services.llm.llama_batch_engine import LlamaBatchEngine, SavedSequence
 from services.llm.llama_cpp_engine import default_model_path
 
 pytestmark = pytest.mark.integration
@@ -134,3 +134,21 @@ async def test_a_reply_far_ahead_of_its_listener_sits_out_a_new_turns_prompt(eng
         assert engine.sat_out > sat_out, "the long reply left the newcomer's prompt step to it"
     else:
         assert engine.sat_out == sat_out
+
+
+async def test_a_saved_sequence_llama_cpp_will_not_take_back_fails_that_reply_alone(engines) -> None:
+    engine = engines["every_step"]
+    first = await _chunks(engine, "broken", "What is the capital of France?")
+    for index in range(MAX_BATCH):
+        await _chunks(engine, f"pusher-{index}", f"Name a fruit, number {index}.")
+    saved = engine._saved["broken"]
+    engine._saved["broken"] = SavedSequence(saved.tokens, saved.data[:64])  # cut short: llama.cpp refuses it
+    dialogue = [
+        Message("user", "What is the capital of France?"),
+        Message("assistant", _text(first)),
+        Message("user", "And of Spain?"),
+    ]
+    with pytest.raises(RuntimeError, match="did not take the saved sequence back"):
+        [c async for c in engine.generate(GenerationRequest("broken", dialogue, max_tokens=16))]
+    again = await _chunks(engine, "broken", "What is the capital of Italy?")
+    assert _text(again).strip() and again[-1].finish_reason, "the engine, and the session, go on"
