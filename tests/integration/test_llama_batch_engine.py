@@ -42,6 +42,15 @@ def _text(chunks: list[GenerationChunk]) -> str:
     return "".join(chunk.text for chunk in chunks)
 
 
+def _follow_up(first: list[GenerationChunk]) -> list[Message]:
+    """The dialogue after the reply `first` to "What is the capital of France?", one more question on."""
+    return [
+        Message("user", "What is the capital of France?"),
+        Message("assistant", _text(first)),
+        Message("user", "And of Spain?"),
+    ]
+
+
 async def test_replies_in_flight_share_each_decode_step(engines) -> None:
     engine = engines["urgent_first"]
     questions = ["What is the capital of France?", "How long does it take to boil an egg?", LONG]
@@ -59,11 +68,7 @@ async def test_replies_in_flight_share_each_decode_step(engines) -> None:
 async def test_a_follow_up_turn_prefills_only_its_new_tokens(engines) -> None:
     engine = engines["urgent_first"]
     first = await _chunks(engine, "follow", "What is the capital of France?")
-    dialogue = [
-        Message("user", "What is the capital of France?"),
-        Message("assistant", _text(first)),
-        Message("user", "And of Spain?"),
-    ]
+    dialogue = _follow_up(first)
     second = [c async for c in engine.generate(GenerationRequest("follow", dialogue, max_tokens=16))]
     assert second[-1].cached_prompt_tokens > first[-1].prompt_tokens, (first[-1], second[-1])
 
@@ -74,11 +79,7 @@ async def test_a_session_whose_sequence_was_taken_over_gets_its_copy_back(engine
     for index in range(MAX_BATCH):  # as many other sessions as there are sequences: the least recent goes
         await _chunks(engine, f"newcomer-{index}", f"Name a color, number {index}.")
     assert "evicted" in engine._saved
-    dialogue = [
-        Message("user", "What is the capital of France?"),
-        Message("assistant", _text(first)),
-        Message("user", "And of Spain?"),
-    ]
+    dialogue = _follow_up(first)
     second = [c async for c in engine.generate(GenerationRequest("evicted", dialogue, max_tokens=16))]
     assert second[-1].cached_prompt_tokens > first[-1].prompt_tokens, (first[-1], second[-1])
 
@@ -143,11 +144,7 @@ async def test_a_saved_sequence_llama_cpp_will_not_take_back_fails_that_reply_al
         await _chunks(engine, f"pusher-{index}", f"Name a fruit, number {index}.")
     saved = engine._saved["broken"]
     engine._saved["broken"] = SavedSequence(saved.tokens, saved.data[:64])  # cut short: llama.cpp refuses it
-    dialogue = [
-        Message("user", "What is the capital of France?"),
-        Message("assistant", _text(first)),
-        Message("user", "And of Spain?"),
-    ]
+    dialogue = _follow_up(first)
     with pytest.raises(RuntimeError, match="did not take the saved sequence back"):
         [c async for c in engine.generate(GenerationRequest("broken", dialogue, max_tokens=16))]
     again = await _chunks(engine, "broken", "What is the capital of Italy?")
