@@ -5,7 +5,8 @@ words sits out the steps that carry another's urgent work while its audio is far
 synthesizes chunks earliest deadline first; the ASR decodes partials on a niced model copy of their own. `fifo` is
 the mesh before any of it (`VOICEMESH_LLM_MAX_BATCH=1`, `VOICEMESH_LLM_YIELD_TO_NEW_TURNS=false`,
 `VOICEMESH_TTS_SCHEDULE_BY_DEADLINE=false`, `VOICEMESH_ASR_PARTIAL_NICE=0`): one reply at a time, and every stage
-serves work in the order it arrives. `--variant` isolates one change (e.g. `VOICEMESH_LLM_MAX_BATCH=1` against 8). Both leave the LLM's flow control off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default).
+serves work in the order it arrives. `--variant` isolates one change (e.g. `VOICEMESH_LLM_MAX_BATCH=1` against
+8). Both leave the LLM's flow control off (`VOICEMESH_LLM_MAX_AHEAD_S=0`, the default).
 
 Each round starts a fresh local mesh per variant and arrival mode (the variants take turns going first) and runs
 `voicemesh loadtest` at every session count on it; turns are pooled over the rounds, so each level's percentiles

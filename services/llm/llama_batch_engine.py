@@ -335,10 +335,10 @@ class LlamaBatchEngine:
                 self._head, reply.prompt
             ):
                 self._restore(saved, seq)
-                resident.tokens = list(saved.tokens)
+                resident.tokens = saved.tokens  # lists here are replaced, never changed in place
             else:
                 llama_cpp.llama_memory_seq_cp(memory, self._head_seq, seq, -1, -1)
-                resident.tokens = list(self._head)
+                resident.tokens = self._head
             resident.session_id = session
         resident.busy = True
         cached = min(common_prefix(resident.tokens, reply.prompt), len(reply.prompt) - 1)

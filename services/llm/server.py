@@ -51,9 +51,11 @@ class LlmSettings(config.ServerSettings):
     n_ctx: int = config.setting(2048, "context window in tokens")
     yield_to_new_turns: bool = config.setting(
         True,
-        "llama_cpp: calls are served earliest deadline first: a new call is due when it arrives, a reply past its "
-        "urgent words (GenerateRequest.urgent_words) before its audio would run dry; a reply gives its slot up, "
-        "between two tokens, to an earlier deadline, and goes on after it; false: first come, first served",
+        "llama_cpp: urgent work first. Batched (max_batch > 1): a reply past its urgent words "
+        "(GenerateRequest.urgent_words) sits out steps carrying another's urgent work (see continuation_due_s). "
+        "max_batch 1: calls are served earliest deadline first (a new call when it arrives, a reply past its urgent "
+        "words before its audio would run dry), and a reply gives its slot up between two tokens to an earlier "
+        "deadline; false: first come, first served",
     )
     continuation_due_s: float = config.setting(
         2.0,
