@@ -33,8 +33,8 @@ from services.asr.server import AsrSettings
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad, load_session
 from services.asr.whisper_engine import WhisperTranscriber
-from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+from services.llm.engine import Engine, GenerationRequest, Message
+from services.llm.server import LlmSettings, build_engine
 from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -74,6 +74,7 @@ class FinalTranscript:
     text: str
     committed_ms: int  # audio received when it committed, from the utterance's start
     speech_end_ms: float  # where the speaker actually stopped
+    vad_speech_end_ms: int  # where the ASR's VAD heard the speech stop
     completeness: float
     hangover_ms: int
     score_ms: float
@@ -174,7 +175,7 @@ class LlmScorer:
     """The gateway's part: each endpoint candidate starts a reply from the real LLM engine, which scores the turn
     end first; the score goes back to the stream, and the reply runs on (its CPU competes, as it would live)."""
 
-    def __init__(self, engine: LlamaCppEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scores: list[tuple[str, float]] = []
         self._replies: set[asyncio.Task[None]] = set()
@@ -253,6 +254,7 @@ async def run_one(
                     text=event.final.text,
                     committed_ms=event.audio_received_ms,
                     speech_end_ms=utterance.speech_end_ms,
+                    vad_speech_end_ms=event.speech_end_ms,
                     completeness=round(event.final.completeness, 3),
                     hangover_ms=event.final.hangover_ms,
                     score_ms=round(event.final.score_ms, 1),
@@ -343,9 +345,9 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
     vad_session = load_session()
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
     pool = WorkerPool(settings.workers, "bench-asr")
-    engine: LlamaCppEngine | None = None
+    engine: Engine | None = None
     if any(POLICIES[p][2] for p in policies):
-        engine = LlamaCppEngine(default_model_path())
+        engine = build_engine(LlmSettings())  # the LLM service's engine at its defaults
         await engine.start()
     llm = LlmScorer(engine) if engine is not None else None
     utterances = [u for u in build_set(transcriber, clip_names) if kinds is None or u.kind in kinds]
