@@ -69,12 +69,18 @@ class Playout(Generic[FrameT]):
 
     def push(self, frame: FrameT, more: bool = False) -> None:
         """Queue a frame; `more`: it begins more audio of the reply playing (its next chunk of speech)."""
-        if more and self._next_due_s is not None and not self._paused:
-            # The listener plays a frame `lead` after it is due to leave, then what is queued.
-            ahead_s = self._next_due_s + self._lead_s + len(self._frames) * self._frame_s - self._clock()
+        if more and (ahead_s := self.ahead_s()) is not None:
             self.ahead_min_s = ahead_s if self.ahead_min_s is None else min(self.ahead_min_s, ahead_s)
         self._frames.append(frame)
         self._changed.set()
+
+    def ahead_s(self) -> float | None:
+        """The audio the listener has yet to hear (negative: how long it has been dry); None while nothing plays
+        (no reply started, or paused)."""
+        if self._next_due_s is None or self._paused:
+            return None
+        # The listener plays a frame `lead` after it is due to leave, then what is queued.
+        return self._next_due_s + self._lead_s + len(self._frames) * self._frame_s - self._clock()
 
     def pause(self) -> None:
         """Hold the queued frames; `resume` plays them on from the first one held."""

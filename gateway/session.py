@@ -619,11 +619,18 @@ class Session:
 
     def _tts_text(self, reply: Reply, text: str) -> None:
         reply.tts_given += text
+        self._tts_send(tts_pb2.SynthesizeRequest(text=self._delta(reply, text)))
+
+    def _delta(self, reply: Reply, text: str) -> tts_pb2.TextDelta:
+        """`text` of `reply` for the TTS: with the turn's trace on the first delta a stream gets, and how urgent the
+        next chunk is (the audio the listener has left) once the reply is playing."""
         delta = tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=text)
+        if reply is self._current and (ahead_s := self.playout.ahead_s()) is not None:
+            delta.playout_ahead_ms = max(0, round(ahead_s * 1000))
         if not reply.tts_started and self._tts_queue is not None:
             reply.tts_started = True
             delta.traceparent = telemetry.traceparent_of(reply.span)
-        self._tts_send(tts_pb2.SynthesizeRequest(text=delta))
+        return delta
 
     def _tts_flush(self, reply: Reply) -> None:
         reply.flush_given, reply.flush_ms = True, _now_ms()
@@ -641,11 +648,7 @@ class Session:
         """On a new TTS stream: the text of `reply` the last one did not synthesize whole, and its flush."""
         rest = unsynthesized(reply.tts_given, reply.synthesized)
         if rest.strip():
-            delta = tts_pb2.TextDelta(utterance_id=reply.utterance_id, text=rest)
-            if not reply.tts_started:
-                reply.tts_started = True
-                delta.traceparent = telemetry.traceparent_of(reply.span)
-            self._tts_send(tts_pb2.SynthesizeRequest(text=delta))
+            self._tts_send(tts_pb2.SynthesizeRequest(text=self._delta(reply, rest)))
         if reply.flush_given:
             self._tts_send(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=reply.utterance_id)))
 

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
 MAX_DELTA_BYTES = 4096
+MAX_PLAYOUT_AHEAD_MS = 600_000
 MAX_UTTERANCE_BYTES = 64 * 1024
 MAX_OPEN_UTTERANCES = 16  # begun and not yet flushed or cancelled, per stream (the gateway has one or two)
 REMEMBERED_IDS = 1024  # flushed or cancelled utterance ids a stream remembers, to refuse their reuse
@@ -69,6 +70,11 @@ class TtsSettings(config.ServerSettings):
         "chunks are synthesized earliest deadline first: a reply's first chunk when its text is ready, a later one "
         "before its reply's audio would run dry; false: first come, first served",
     )
+    client_playout: bool = config.setting(
+        True,
+        "a chunk's deadline comes from the caller's playout (TextDelta.playout_ahead_ms, the audio its listener has "
+        "left) when it sends one; false: from the audio made so far, as for a caller that does not",
+    )
 
 
 @dataclasses.dataclass
@@ -80,10 +86,17 @@ class _Utterance:
     audio_ms: float = 0.0
     flushed: bool = False
     first_audio_ms: float | None = None  # when its first chunk's audio was ready (time.monotonic, ms)
+    playout: tuple[float, float, float] | None = None
+    """The caller's latest word on its playout: (when it came, time.monotonic ms; the audio its listener had left,
+    ms; `audio_ms` then)."""
 
     def deadline_ms(self, ready_ns: int) -> float:
-        """When the next chunk is needed: at once for the first (ready at `ready_ns`), else before the audio
-        made so far runs out (it starts playing about when it is ready)."""
+        """When the next chunk is needed. From the caller's playout when it sent one: before the audio its listener
+        had left, plus what was made since, runs out. Else at once for the first chunk (ready at `ready_ns`), and
+        for a later one before the audio made so far runs out (it starts playing about when it is ready)."""
+        if self.playout is not None:
+            received_ms, ahead_ms, made_ms = self.playout
+            return received_ms + ahead_ms + self.audio_ms - made_ms - REFILL_MS
         if self.first_audio_ms is None:
             return ready_ns / 1e6
         return self.first_audio_ms + self.audio_ms - REFILL_MS
@@ -123,9 +136,11 @@ class SynthesisStream:
         pool: WorkerPool,
         record_text: bool = False,
         by_deadline: bool = True,
+        client_playout: bool = True,
     ) -> None:
         self.cfg = cfg
         self.by_deadline = by_deadline  # False: chunks in the order they are ready, across the replica's streams
+        self.client_playout = client_playout  # False: TextDelta.playout_ahead_ms is checked but not used
         self.record_text = record_text  # the chunk's text on its span: personal data, off unless asked for
         self.rate_hz = OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
         self.policy = POLICIES[cfg.chunking]
@@ -168,6 +183,15 @@ class SynthesisStream:
             utterance.bytes_in += size
             if utterance.bytes_in > MAX_UTTERANCE_BYTES:
                 raise out_of_range(f"utterance {uid} exceeds {MAX_UTTERANCE_BYTES} bytes of text; flush and start anew")
+            if request.text.HasField("playout_ahead_ms"):
+                ahead_ms = request.text.playout_ahead_ms
+                if ahead_ms > MAX_PLAYOUT_AHEAD_MS:
+                    raise out_of_range(
+                        f"playout_ahead_ms={ahead_ms} on utterance {uid}; at most {MAX_PLAYOUT_AHEAD_MS} (10 minutes "
+                        "of audio)"
+                    )
+                if self.client_playout:
+                    utterance.playout = (time.monotonic_ns() / 1e6, float(ahead_ms), utterance.audio_ms)
             for chunk in utterance.chunker.push(text):
                 self._work.put_nowait((uid, chunk, time.monotonic_ns()))
         elif kind == "flush":
@@ -371,6 +395,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
             self.pool,
             self.settings.log_transcripts,
             self.settings.schedule_by_deadline,
+            self.settings.client_playout,
         )
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
         synthesizer.add_done_callback(stream.on_loop_done)

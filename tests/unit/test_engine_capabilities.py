@@ -176,6 +176,48 @@ async def test_a_first_chunk_is_due_when_its_text_is_ready_and_a_later_one_befor
     assert (third - second, fourth - third) == (200, 400), "each chunk bought its own audio's worth of time"
 
 
+async def test_a_callers_playout_sets_the_next_chunks_deadline_and_a_paused_listener_is_not_hurried() -> None:
+    engine = FakeToneSynthesizer()  # 100 ms of audio a word
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+
+    async def deadlines(playout_ahead_ms: int | None, client_playout: bool = True) -> tuple[float, list[int]]:
+        pool = RecordingPool()
+        stream = SynthesisStream(
+            config, validate_synthesis(config, engine), engine, pool, client_playout=client_playout
+        )
+        delta = tts_pb2.TextDelta(utterance_id=1, text="w0 w1 w2 ")
+        if playout_ahead_ms is not None:
+            delta.playout_ahead_ms = playout_ahead_ms
+        sent_ms = time.monotonic_ns() / 1e6
+        stream.handle(tts_pb2.SynthesizeRequest(text=delta))
+        stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
+        stream.end_input()
+        await asyncio.wait_for(stream.synthesize_loop(), 10)
+        return sent_ms, pool.priorities  # "w0", "w1 w2"
+
+    # The listener has 5 s left (a reply that paused for a false interruption keeps its audio): nothing is urgent.
+    sent_ms, (first, second) = await deadlines(5000)
+    assert first == pytest.approx(sent_ms + 5000 - REFILL_MS, abs=2), "the caller's playout, not 'at once'"
+    assert second - first == 100, "each chunk made since buys its own audio's worth"
+    # The listener has run dry: the first chunk is due now, as without a playout, and the rest follow its audio.
+    sent_ms, (first, second) = await deadlines(0)
+    assert first == pytest.approx(sent_ms - REFILL_MS, abs=2) and second - first == 100
+    # Switched off, the field is read (and checked) but deadlines come from the audio made so far.
+    sent_ms, (first, _) = await deadlines(5000, client_playout=False)
+    assert sent_ms - 1 <= first <= sent_ms + 50
+
+
+def test_a_playout_ahead_past_ten_minutes_is_refused_with_a_reason() -> None:
+    engine = FakeToneSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    stream = SynthesisStream(config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"))
+    delta = tts_pb2.TextDelta(utterance_id=7, text="hello ", playout_ahead_ms=600_001)
+    with pytest.raises(RequestError) as refused:
+        stream.handle(tts_pb2.SynthesizeRequest(text=delta))
+    assert refused.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert "playout_ahead_ms=600001 on utterance 7" in refused.value.message
+
+
 async def test_without_deadlines_chunks_are_synthesized_in_the_order_they_are_ready() -> None:
     engine = FakeToneSynthesizer()
     config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)

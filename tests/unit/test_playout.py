@@ -192,3 +192,21 @@ async def test_run_wakes_for_new_frames_and_stops_within_a_frame_on_pause_and_fl
             await asyncio.sleep(0.005)
     finally:
         runner.cancel()
+
+
+def test_the_audio_the_listener_has_left_counts_the_lead_and_the_queue_and_is_unknown_when_nothing_plays() -> None:
+    pacer, clock, _ = playout(lead_frames=2)
+    assert pacer.ahead_s() is None, "no reply has started"
+    for index in range(6):
+        pacer.push(index)
+    assert pacer.ahead_s() is None, "queued is not playing"
+    assert take_due(pacer) == [0, 1, 2]  # frame 0 is due now; the lead (1, 2) is in the listener's buffer
+    assert pacer.ahead_s() == 6 * FRAME_S, "three frames sent ahead, and three queued"
+    clock.now_s += 2 * FRAME_S
+    assert take_due(pacer) == [3, 4] and pacer.ahead_s() == 4 * FRAME_S
+    pacer.pause()
+    assert pacer.ahead_s() is None, "paused: the listener's audio is not running out"
+    pacer.resume()
+    take_due(pacer)
+    clock.now_s += 10 * FRAME_S
+    assert pacer.ahead_s() is not None and pacer.ahead_s() < 0, "run dry: negative, how long ago"

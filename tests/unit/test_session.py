@@ -133,6 +133,24 @@ async def test_a_pause_holds_the_audio_and_the_resume_plays_on_from_where_it_pau
         await session.close()
 
 
+async def test_text_sent_to_the_tts_says_how_much_audio_the_listener_has_left_once_the_reply_plays() -> None:
+    session, backends = await committed_reply("One two three four.")
+    try:
+        deltas = [r.text for r in backends.tts if isinstance(r, tts_pb2.SynthesizeRequest) and r.HasField("text")]
+        assert deltas and not any(d.HasField("playout_ahead_ms") for d in deltas), "not playing yet: unset"
+        await play(session, FRAMES_PER_WORD)
+        reply = session._current
+        assert reply is not None
+        more = session._delta(reply, " five")
+        # Three words queued and the lead sent ahead: at least the queue's audio, at most the lead's more.
+        queued_ms = 3 * FRAMES_PER_WORD * 20
+        assert queued_ms <= more.playout_ahead_ms <= queued_ms + 5 * 20 + 20
+        session.playout.pause()
+        assert not session._delta(reply, " six").HasField("playout_ahead_ms"), "paused: no deadline to keep"
+    finally:
+        await session.close()
+
+
 def turn_scores(backends: FakeBackends) -> list[asr_pb2.TurnScore]:
     return [r.turn_score for r in backends.asr if isinstance(r, asr_pb2.RecognizeRequest) and r.HasField("turn_score")]
 
