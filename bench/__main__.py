@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import asr_batch, llm_batch, pipeline, routing, services, turns
+from bench import asr_batch, asr_urgency, llm_batch, pipeline, routing, services, turns
 from bench.chaos import __main__ as chaos
 from voicemesh import loadtest
 
@@ -28,6 +28,7 @@ def main() -> None:
     results["llm_routing"] = routing.run()
     results["llm_batched_decode"] = llm_batch.run()
     results["asr_batched_finals"] = asr_batch.run()
+    results["asr_partial_urgency"] = asr_urgency.run()
     audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
     if audio.exists():
         clips = tuple(str(audio / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "wizard", "horizon"))

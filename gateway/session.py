@@ -194,6 +194,7 @@ class Session:
         self._asr_streams = 0
         self._asr_in_speech = False
         self._asr_scores = False  # the current ASR stream waits for the LLM's TurnScores
+        self._asr_decision = False  # the current ASR stream was told a decision waits on its partials
         # The audio an ASR stream may still need, (end in session audio ms, frame): from the pre-roll of the turn in
         # progress (or the last pre-roll between turns) on. A stream that dies or hangs is replaced by one on
         # another replica, which hears this first, so the utterance in progress is not lost. It also holds the
@@ -345,7 +346,7 @@ class Session:
                     _drain(queue, asr_pb2.RecognizeRequest(config=config)), metadata=self.backends.metadata()
                 )
                 self._asr_queue, self._asr_seq, self._asr_acked = queue, 0, 0
-                self._asr_acks, self._asr_waiting_since = False, None
+                self._asr_acks, self._asr_waiting_since, self._asr_decision = False, None, False
                 self._replay()
                 if self._closing:
                     queue.put_nowait(None)  # the user's side ended while the stream was being replaced
@@ -447,6 +448,16 @@ class Session:
                     if self._current is not None and self._current.utterance_id == reply_id:
                         self._end_turn(self._current)
         self._schedule_tick()
+        self._asr_urgency(self.turns.waiting_on_words)
+
+    def _asr_urgency(self, decision: bool) -> None:
+        """Tell the ASR when a decision waits on the words of its partials (speech over the reply) and when
+        they are captions again; a new stream starts at captions."""
+        if self._asr_queue is None or decision == self._asr_decision:
+            return
+        self._asr_decision = decision
+        partials = asr_pb2.PARTIAL_URGENCY_DECISION if decision else asr_pb2.PARTIAL_URGENCY_CAPTIONS
+        self._asr_queue.put_nowait(asr_pb2.RecognizeRequest(urgency=asr_pb2.Urgency(partials=partials)))
 
     def _schedule_tick(self) -> None:
         """The controller's timers (a paused reply resumes when no words come) run on the event loop's clock."""

@@ -254,6 +254,12 @@ class TurnController:
         return overlap.started_ms + self.policy.barge_in_min_speech_ms
 
     @property
+    def waiting_on_words(self) -> bool:
+        """User speech over the current reply is being judged: the words of its transcripts decide whether it
+        interrupts (the ASR's partials are urgent meanwhile)."""
+        return self._overlap is not None and self.current is not None
+
+    @property
     def paused(self) -> bool:
         """The current reply's playout is paused (speech over it whose words are not known yet)."""
         return self._overlap is not None and self._overlap.paused_ms is not None

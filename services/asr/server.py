@@ -210,6 +210,9 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
                 if kind == "turn_score":
                     stream.turn_score(check_turn_score(request.turn_score))
                     continue
+                if kind == "urgency":
+                    stream.set_urgency(check_urgency(request.urgency))
+                    continue
                 if kind != "frame":
                     raise precondition("a second RecognitionConfig was sent; send it once, as the first message")
                 checker.check(request.frame)
@@ -235,6 +238,14 @@ def check_turn_score(score: asr_pb2.TurnScore) -> asr_pb2.TurnScore:
     if not 0.0 <= score.probability <= 1.0:  # NaN fails too
         raise invalid(f"turn_score.probability={score.probability:g} out of range; send 0-1")
     return score
+
+
+def check_urgency(urgency: asr_pb2.Urgency) -> asr_pb2.Urgency:
+    """An Urgency as a client sends it; INVALID_ARGUMENT for a value the proto does not define."""
+    if urgency.partials not in asr_pb2.PartialUrgency.values():
+        names = ", ".join(asr_pb2.PartialUrgency.keys()[1:])
+        raise invalid(f"urgency.partials={urgency.partials} unknown; send one of {names}")
+    return urgency
 
 
 def build_server(settings: AsrSettings) -> Server:

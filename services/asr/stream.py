@@ -24,6 +24,7 @@ from voicemesh.workers import Timed, WorkerPool
 log = logging.getLogger(__name__)
 
 FINAL_PRIORITY = 0
+DECISION_PARTIAL_PRIORITY = 5  # a partial a decision waits on (barge-in): after finals, before every caption
 PARTIAL_PRIORITY = 10
 PREROLL_MS = 200  # audio kept before the detected speech start (VAD needs a few windows to fire)
 MAX_TURN_S = 28  # Whisper's window is 30 s; a longer monologue is committed in pieces
@@ -61,6 +62,7 @@ class RecognitionStream:
         # Partials (captions, not on anyone's critical path) may have a model and threads of their own, at a lower
         # priority; by default they share the drafts' and finals' model and pool, behind them.
         self._partial_transcriber, self._partial_pool = partials or (transcriber, pool)
+        self.partial_urgency: int = asr_pb2.PARTIAL_URGENCY_CAPTIONS
         self._emit = emit
         self._fail = fail  # a decode or score that raised ends the call (else the turn would be lost in silence)
         self._resampler = StreamResampler(config.sample_rate_hz, SAMPLE_RATE_HZ)
@@ -200,6 +202,10 @@ class RecognitionStream:
         for event in endpointer.score(score.pause_id, lm_completeness(score.probability), decisive=True):
             self._on_vad(event)
 
+    def set_urgency(self, urgency: asr_pb2.Urgency) -> None:
+        """The client says who waits on this stream's partials from now on (see PartialUrgency)."""
+        self.partial_urgency = urgency.partials or asr_pb2.PARTIAL_URGENCY_CAPTIONS
+
     # ---- decodes ---------------------------------------------------------------------------------------
     def _turn_audio(self) -> tuple[np.ndarray, int]:
         """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds."""
@@ -293,16 +299,19 @@ class RecognitionStream:
             return  # one partial in flight per stream
         if self._draft is not None and not self._draft.done():
             return  # a draft in flight will serve as the partial
-        if self._partial_pool.waiting:
-            return  # partials are optional: shed them when decodes are queueing
+        if self.partial_urgency == asr_pb2.PARTIAL_URGENCY_DECISION:
+            # A decision waits on its words: the finals' model and workers, behind finals only, never shed.
+            transcriber, pool, priority = self._transcriber, self._pool, DECISION_PARTIAL_PRIORITY
+        elif self._partial_pool.waiting:
+            return  # captions are optional: shed them when decodes are queueing
+        else:
+            transcriber, pool, priority = self._partial_transcriber, self._partial_pool, PARTIAL_PRIORITY
         self._last_partial_ms = ep.now_ms
         audio, _ = self._turn_audio()
         turn = self.turn_index
 
         async def partial() -> None:
-            result = await self._partial_pool.run(
-                self._partial_transcriber.transcribe, audio, self._partial_options, priority=PARTIAL_PRIORITY
-            )
+            result = await pool.run(transcriber.transcribe, audio, self._partial_options, priority=priority)
             text = result.result.text
             if self.turn_index != turn or not text or not self._endpointer.in_turn:
                 return

@@ -140,6 +140,11 @@ def _score(pause_id: int, probability: float) -> asr_pb2.RecognizeRequest:
         ([_config(), _frame(0), _score(1, 1.5)], grpc.StatusCode.INVALID_ARGUMENT, ("probability=1.5 out of range",)),
         ([_config(), _frame(0), _score(1, float("nan"))], grpc.StatusCode.INVALID_ARGUMENT, ("probability=nan",)),
         ([_score(1, 0.5)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "got a turn_score")),
+        (
+            [_config(), _frame(0), asr_pb2.RecognizeRequest(urgency=asr_pb2.Urgency(partials=7))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ("urgency.partials=7 unknown", "PARTIAL_URGENCY_DECISION"),
+        ),
     ],
 )
 async def test_bad_input_gets_a_clear_status(services: dict[str, str], messages: list, code, words) -> None:

@@ -10,7 +10,12 @@ import pytest
 from services.asr.completeness import TurnScorer
 from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
-from services.asr.stream import RecognitionStream
+from services.asr.stream import (
+    DECISION_PARTIAL_PRIORITY,
+    FINAL_PRIORITY,
+    PARTIAL_PRIORITY,
+    RecognitionStream,
+)
 from services.asr.vad import WINDOW_SAMPLES
 from voicemesh.endpointing import lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -126,6 +131,56 @@ async def test_partials_go_to_their_own_decoder_and_threads_when_the_service_has
     assert "partial" in kinds and kinds.count("final") == 1
     assert captions.calls and all(not options.word_timings for options in captions.options), "partials only"
     assert all(options.word_timings for options in finals.options), "the finals' model decoded no partial"
+
+
+class FakeJammedPool(WorkerPool):
+    """A caption pool whose decodes are queueing (other streams' captions): new captions are shed."""
+
+    @property
+    def waiting(self) -> int:
+        return 3
+
+    async def run(self, fn, *args, priority: int = 0):  # type: ignore[no-untyped-def]
+        raise AssertionError("a caption was decoded although decodes were queueing")
+
+
+@pytest.mark.parametrize("urgency", [asr_pb2.PARTIAL_URGENCY_CAPTIONS, asr_pb2.PARTIAL_URGENCY_DECISION])
+async def test_partials_a_decision_waits_on_are_decoded_beside_finals_and_never_shed(urgency: int) -> None:
+    vad = FakeVad()
+    finals, captions = FakeTranscriber(vad), FakeTranscriber(vad)
+    events: list[asr_pb2.RecognizeEvent] = []
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, interim_results=True)
+    policy = EndpointingPolicy(candidate_silence_ms=96, hangover_ms=256, fixed_hangover=True)
+    pool = RecordingPool()
+    stream = RecognitionStream(
+        config, policy, vad, finals, pool, events.append, partials=(captions, FakeJammedPool(1, "jammed"))
+    )
+    stream.set_urgency(asr_pb2.Urgency(partials=urgency))  # the user speaks over a reply, or not
+    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+    for seq in range(SPEECH_WINDOWS):
+        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(0.01)
+    await stream.drain()
+    partials = [event for event in events if event.WhichOneof("event") == "partial"]
+    if urgency == asr_pb2.PARTIAL_URGENCY_CAPTIONS:
+        assert not partials and not finals.calls, "captions are shed while decodes queue"
+    else:
+        assert partials and partials[0].partial.text == "hello there.", "the words a decision waits on came"
+        assert finals.calls and not captions.calls, "on the finals' model and workers"
+        assert set(pool.priorities) == {DECISION_PARTIAL_PRIORITY}
+        assert FINAL_PRIORITY < DECISION_PARTIAL_PRIORITY < PARTIAL_PRIORITY, "after finals, before captions"
+
+
+class RecordingPool(WorkerPool):
+    """The real pool of one worker, noting each job's priority."""
+
+    def __init__(self) -> None:
+        super().__init__(1, "test-asr")
+        self.priorities: list[int] = []
+
+    async def run(self, fn, *args, priority: int = 0):  # type: ignore[no-untyped-def]
+        self.priorities.append(priority)
+        return await super().run(fn, *args, priority=priority)
 
 
 async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:

@@ -151,6 +151,27 @@ async def test_text_sent_to_the_tts_says_how_much_audio_the_listener_has_left_on
         await session.close()
 
 
+def urgencies(backends: FakeBackends) -> list[int]:
+    return [
+        r.urgency.partials for r in backends.asr if isinstance(r, asr_pb2.RecognizeRequest) and r.HasField("urgency")
+    ]
+
+
+async def test_the_asrs_partials_are_urgent_while_speech_over_the_reply_waits_on_their_words() -> None:
+    session, backends = await committed_reply("One two three four five six.")
+    try:
+        await play(session, FRAMES_PER_WORD)
+        assert urgencies(backends) == [], "no speech over the reply: captions, the stream's default"
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        await until(lambda: urgencies(backends) == [asr_pb2.PARTIAL_URGENCY_DECISION])
+        backends.say(partial=asr_pb2.Partial(text="no wait"))  # words: a real interruption
+        await until(lambda: len(urgencies(backends)) == 2)
+        assert urgencies(backends)[-1] == asr_pb2.PARTIAL_URGENCY_CAPTIONS, "decided: captions again"
+        assert "interrupted" in [kind for kind, _ in drain(session)]
+    finally:
+        await session.close()
+
+
 def turn_scores(backends: FakeBackends) -> list[asr_pb2.TurnScore]:
     return [r.turn_score for r in backends.asr if isinstance(r, asr_pb2.RecognizeRequest) and r.HasField("turn_score")]
 
