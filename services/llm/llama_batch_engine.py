@@ -23,6 +23,7 @@ from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationR
 from services.llm.llama_cpp_engine import (
     CLOSE_WAIT_S,
     KEEPALIVE_S,
+    MIN_AHEAD_S,
     Playout,
     common_prefix,
     end_tokens,
@@ -127,9 +128,14 @@ class LlamaBatchEngine:
         prompt: CompletionPrompt | None = None,
         prioritize: bool = True,
         continuation_due_s: float = CONTINUATION_DUE_S,
+        max_ahead_s: float = 0.0,
     ) -> None:
         if continuation_due_s <= 0:
             raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")
+        if max_ahead_s and max_ahead_s < MIN_AHEAD_S:
+            raise ValueError(
+                f"max_ahead_s={max_ahead_s:g} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
+            )
         if not 1 <= max_batch <= 64:
             raise ValueError(f"max_batch={max_batch} out of range; use 1-64")
         self.model_path = model_path
@@ -141,9 +147,10 @@ class LlamaBatchEngine:
         self.prompt = prompt or CompletionPrompt()
         self.prioritize = prioritize
         self.continuation_due_s = continuation_due_s
+        self.max_ahead_s = max_ahead_s
         self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
         self.steps = 0  # decode calls
-        self.sat_out = 0  # times a reply was left out of a step for others' urgent work
+        self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
         self._threads = n_threads_batch
         self._llama: Llama | None = None
         self._context: llama_cpp.llama_context_p | None = None
@@ -285,7 +292,11 @@ class LlamaBatchEngine:
                     return
                 self._admit()
             try:
-                self._step()
+                idle_s = self._step()
+                if idle_s is not None:  # every reply is far enough ahead: wait for one to need more, or for news
+                    with self._lock:
+                        if not self._closing and not self._waiting:
+                            self._lock.wait(idle_s)
             except Exception as exc:  # a failed decode fails the replies in it, not the engine
                 log.exception("batched decode failed")
                 for reply in list(self._active):
@@ -374,10 +385,17 @@ class LlamaBatchEngine:
         if not llama_cpp.llama_state_seq_set_data(self._context, buffer, len(saved.data), seq):
             raise RuntimeError("llama.cpp did not take the saved sequence back")
 
-    def _step(self) -> None:
-        """One decode call: every admitted reply's next tokens, urgent ones first."""
-        plan = plan_step(self._active, time.monotonic(), self.continuation_due_s if self.prioritize else None)
+    def _step(self) -> float | None:
+        """One decode call: every admitted reply's next tokens, urgent ones first. When every reply sits out
+        (`max_ahead_s`), no call: the seconds until the first of them needs its next words."""
+        now = time.monotonic()
+        due_s = self.continuation_due_s if self.prioritize else None
+        plan = plan_step(self._active, now, due_s, max_ahead_s=self.max_ahead_s)
         self.sat_out += len(self._active) - len(plan)
+        if not plan:
+            if not self._active:
+                return None
+            return max(0.001, min(r.playout.runs_dry(r.text) - now for r in self._active) - self.max_ahead_s)
         rows: list[tuple[int, int, int, bool]] = []
         taken: list[tuple[_Reply, int, int]] = []  # reply, its first row, its row count
         for reply, count in plan:
@@ -388,7 +406,7 @@ class LlamaBatchEngine:
                 rows.append((reply.pending[index], position, reply.seq, wanted))
         urgent = any(reply.urgent for reply, _ in plan)
         if not rows:
-            return
+            return None
         # Urgent work gets every core (`n_threads_batch`); a step of continuations only, which just has to stay
         # ahead of playout, `n_threads`, leaving the rest to the other stages. llama.cpp would pick by the row count.
         threads = self.n_threads_batch if urgent else self.n_threads
@@ -408,6 +426,7 @@ class LlamaBatchEngine:
             del reply.pending[:count]
             if not reply.pending:
                 self._next_token(reply, self._logits(first_row + count - 1))
+        return None
 
     def _next_token(self, reply: _Reply, logits: np.ndarray) -> None:
         request = reply.request
@@ -490,18 +509,27 @@ class LlamaBatchEngine:
 
 
 def plan_step(
-    replies: list[_Reply], now: float, due_s: float | None = CONTINUATION_DUE_S, budget: int = N_BATCH
+    replies: list[_Reply],
+    now: float,
+    due_s: float | None = CONTINUATION_DUE_S,
+    budget: int = N_BATCH,
+    max_ahead_s: float = 0.0,
 ) -> list[tuple[_Reply, int]]:
     """Which replies go into the next step, and how many of their pending tokens: urgent ones first, in arrival
     order, up to `budget` tokens. A reply past its first words sits out a step that carries urgent work unless its
-    audio would run dry within `due_s` (None: it never sits out)."""
+    audio would run dry within `due_s` (None: it never sits out), and every step while its audio runs more than
+    `max_ahead_s` ahead of its listener (0: no limit)."""
     urgent = any(reply.urgent for reply in replies)
     plan: list[tuple[_Reply, int]] = []
     for reply in sorted(replies, key=lambda r: (not r.urgent, r.enqueued_ns)):
         if budget == 0:
             break
-        if due_s is not None and urgent and not reply.urgent and reply.playout.runs_dry(reply.text) - now > due_s:
-            continue
+        if not reply.urgent:
+            left_s = reply.playout.runs_dry(reply.text) - now
+            if max_ahead_s and left_s > max_ahead_s:
+                continue  # flow control: far enough ahead of its listener
+            if due_s is not None and urgent and left_s > due_s:
+                continue
         count = min(budget, len(reply.pending))
         plan.append((reply, count))
         budget -= count

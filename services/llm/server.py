@@ -139,10 +139,8 @@ def build_engine(settings: LlmSettings) -> Engine:
         from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 
         path = Path(settings.model_path) if settings.model_path else default_model_path()
-        if settings.max_batch != 1 and (settings.slots > 1 or settings.max_ahead_s):
-            raise SystemExit(
-                "max_batch above 1 decodes every reply in one context: leave slots at 1 and max_ahead_s at 0"
-            )
+        if settings.max_batch != 1 and settings.slots > 1:
+            raise SystemExit("max_batch above 1 decodes every reply in one context: leave slots at 1")
         try:
             if settings.max_batch != 1:
                 from services.llm.llama_batch_engine import LlamaBatchEngine
@@ -155,6 +153,7 @@ def build_engine(settings: LlmSettings) -> Engine:
                     n_ctx=settings.n_ctx,
                     prioritize=settings.yield_to_new_turns,
                     continuation_due_s=settings.continuation_due_s,
+                    max_ahead_s=settings.max_ahead_s,
                 )
             return LlamaCppEngine(
                 path,

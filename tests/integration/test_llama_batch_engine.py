@@ -4,13 +4,14 @@ session's prefix kept, urgent work first, cancellation within a step."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import pytest_asyncio
 
 from services.llm.engine import GenerationChunk, GenerationRequest, Message
 from services.llm.llama_batch_engine import LlamaBatchEngine, SavedSequence
-from services.llm.llama_cpp_engine import default_model_path
+from services.llm.llama_cpp_engine import MIN_AHEAD_S, default_model_path, speech_s
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +26,7 @@ async def engines():
         # Sitting out from 0.5 s before running dry: a reply 40 characters (2.7 s of speech) in is surely past it.
         "urgent_first": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, continuation_due_s=0.5),
         "every_step": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, prioritize=False),
+        "paced": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, max_ahead_s=MIN_AHEAD_S),
     }
     for engine in engines.values():
         await engine.start()
@@ -149,3 +151,22 @@ async def test_a_saved_sequence_llama_cpp_will_not_take_back_fails_that_reply_al
         [c async for c in engine.generate(GenerationRequest("broken", dialogue, max_tokens=16))]
     again = await _chunks(engine, "broken", "What is the capital of Italy?")
     assert _text(again).strip() and again[-1].finish_reason, "the engine, and the session, go on"
+
+
+async def test_flow_control_keeps_a_reply_within_max_ahead_s_of_its_listener_and_it_says_the_same(engines) -> None:
+    request = GenerationRequest("alphabet", [Message("user", LONG)], max_tokens=48, reply_prefix=LONG_START)
+    alone = _text([chunk async for chunk in engines["every_step"].generate(request)])
+    paced = engines["paced"]
+    sat_out = paced.sat_out
+    first_at = None
+    said = ""
+    async for chunk in paced.generate(request):
+        if chunk.text:
+            first_at = first_at or time.monotonic()
+            said += chunk.text
+            # Its listener started with the first words: what was streamed is at most max_ahead_s (and one token)
+            # beyond what it has heard.
+            assert speech_s(said) <= time.monotonic() - first_at + MIN_AHEAD_S + 0.5, said
+    assert said == alone, "held back, it says exactly what it says unpaced"
+    assert speech_s(said) > MIN_AHEAD_S + 1.0, "a reply long enough to be held back"
+    assert paced.sat_out > sat_out

@@ -90,6 +90,18 @@ async def test_a_step_with_urgent_work_leaves_out_replies_far_ahead_of_their_lis
     assert len(plan_step([ahead, due, new], now, due_s=None)) == 3, "never sitting out: all go"
 
 
+async def test_flow_control_holds_a_reply_far_enough_ahead_of_its_listener_even_with_nothing_urgent() -> None:
+    loop = asyncio.get_running_loop()
+    now = time.monotonic()
+    ahead = _reply(loop, prompt=120, pending=1, started=now, said="x" * 60)  # 4 s of speech streamed
+    close = _reply(loop, prompt=120, pending=1, started=now - 2, said="x" * 60)  # 2 s left
+    first_words = _reply(loop, prompt=120, pending=1, started=None, said="It")
+    assert plan_step([ahead, close, first_words], now, due_s=None, max_ahead_s=3.0) == [(first_words, 1), (close, 1)]
+    assert plan_step([ahead], now, due_s=None, max_ahead_s=3.0) == [], "alone, and still 4 s ahead: it waits"
+    assert plan_step([ahead], now + 1.5, due_s=None, max_ahead_s=3.0) == [(ahead, 1)], "its listener caught up"
+    assert plan_step([ahead, close], now, due_s=None) == [(ahead, 1), (close, 1)], "0: no limit"
+
+
 async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
     loop = asyncio.get_running_loop()
     big = _reply(loop, prompt=700, pending=700, started=None)
@@ -107,7 +119,7 @@ async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
         ({"max_batch": 65}, "max_batch=65 out of range"),
         ({"continuation_due_s": 0.0}, "continuation_due_s=0 must be above 0"),
         ({"max_batch": 4, "slots": 2}, "leave slots at 1"),
-        ({"max_batch": 4, "max_ahead_s": 3.0}, "max_ahead_s at 0"),
+        ({"max_batch": 4, "max_ahead_s": 1.0}, "max_ahead_s=1 leaves no time to refill"),
     ],
 )
 def test_a_bad_batch_setting_stops_the_server_with_a_reason(fields: dict[str, object], words: str) -> None:
