@@ -66,9 +66,10 @@ class LlmSettings(config.ServerSettings):
     max_ahead_s: float = config.setting(
         0.0,
         "llama_cpp flow control: a reply past its urgent words stops decoding once the text it streamed would take "
-        "this long to say beyond its playout (at 15 characters a second), saves its state, and carries on when half "
-        "of that is left; less decode is thrown away at a barge-in, but the cores idle while it waits (4 sessions "
-        "at once, 3 s: V2V p50 x1.18, p99 x1.44 against no limit); 0 = no limit (default), else >= 2",
+        "this long to say beyond its playout (at 15 characters a second), and carries on when it needs more (max_batch "
+        "1: when half of that is left, from a saved state). Less decode is thrown away at a barge-in, but the cores "
+        "idle while it waits: it did not pay (8 sessions batched, 3 s: V2V p99 x0.93 at once, x1.14 staggered; one "
+        "slot, 4 sessions at once: p99 x1.44); 0 = no limit (default), else >= 2",
     )
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
     max_queue_wait_ms: float = config.setting(
