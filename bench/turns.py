@@ -14,6 +14,10 @@ tuned on the `tune` clips; the `check` clips say whether that generalises.
 Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
 to 600 ms and over all; dead air (speech end -> commit, p50/p95) on complete utterances; how long truncated
 utterances waited; per pause, how each signal (audio, text, fused) scored it. `python -m bench.turns`.
+
+`python -m bench.turns --text` scores text alone, word by word through 40 sentences written for it
+(bench/turn_sentences.py, a tune and a check half), with the LLM service's engine: how long the finished ones wait,
+and how many points inside a sentence would commit within a 400 or 600 ms pause.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from services.asr.whisper_engine import WhisperTranscriber
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh.audio import Clip, read_wav, resample
-from voicemesh.endpointing import EndpointingPolicy
+from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
 
@@ -339,6 +343,53 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
     return report
 
 
+async def text_scores() -> dict[str, object]:
+    """The LLM's P(turn end) word by word through the sentences of bench/turn_sentences.py, as the pause after each
+    word would be scored (with the full stop Whisper puts at a pause), and the wait each score sets: the finished
+    sentences' waits (short is right), and how many points inside a sentence would commit within a 400 or 600 ms
+    pause (a cut-off there)."""
+    from bench.turn_sentences import CHECK, TUNE
+
+    policy = EndpointingPolicy()
+    engine = build_engine(LlmSettings())
+    await engine.start()
+    report: dict[str, object] = {}
+    try:
+        for split, sentences in (("tune", TUNE), ("check", CHECK)):
+            finished: list[tuple[float, str]] = []
+            inside: list[tuple[float, str]] = []
+            for index, sentence in enumerate(sentences):
+                words = sentence.split()
+                for count in range(1, len(words) + 1):
+                    text = " ".join(words[:count])
+                    if count < len(words):
+                        text = text.rstrip(",") + "."
+                    request = GenerationRequest(
+                        f"{split}-{index}", [Message("user", text)], max_tokens=1, score_turn_end=True
+                    )
+                    scores = [c.turn_end async for c in engine.generate(request) if c.turn_end is not None]
+                    (finished if count == len(words) else inside).append((scores[0], text))
+
+            def wait(probability: float) -> int:
+                return policy.hangover_for(lm_completeness(probability))
+
+            waits = [wait(p) for p, _ in finished]
+            report[split] = {
+                "finished": len(finished),
+                "finished_wait_ms_p50": statistics.median(waits),
+                "finished_wait_ms_max": max(waits),
+                "finished_at_min_hangover": sum(w == policy.min_hangover_ms for w in waits),
+                "finished_waiting_longer": [(round(p, 3), t) for p, t in finished if wait(p) > policy.min_hangover_ms],
+                "inside": len(inside),
+                "inside_committing_within_400ms": sum(wait(p) < 400 for p, _ in inside),
+                "inside_committing_within_600ms": sum(wait(p) < 600 for p, _ in inside),
+                "inside_committing_within_600ms_examples": [t for p, t in inside if wait(p) < 600][:12],
+            }
+    finally:
+        await engine.close()
+    return report
+
+
 async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | None) -> dict[str, object]:
     settings = AsrSettings()  # the service's defaults: decodes at once, threads each
     transcriber = WhisperTranscriber(cpu_threads=settings.cpu_threads, workers=settings.workers)
@@ -402,7 +453,12 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
+    parser.add_argument("--text", action="store_true", help="only the LLM's score on text, word by word (no audio)")
     args = parser.parse_args()
+    if args.text:
+        json.dump(asyncio.run(text_scores()), sys.stdout, indent=2)
+        print()
+        return
     kinds = set(args.kinds.split(",")) if args.kinds else None
     result = run(args.clips.split(","), args.policies.split(","), kinds)
     if not args.per_utterance:
