@@ -20,6 +20,7 @@ from services.asr.server import validate_config as validate_recognition
 from services.tts.engine import SynthesizerCapabilities, Voice
 from services.tts.server import MAX_OPEN_UTTERANCES, REFILL_MS, REMEMBERED_IDS, SynthesisStream
 from services.tts.server import validate_config as validate_synthesis
+from tests.unit.recording_pool import RecordingPool
 from voicemesh.errors import RequestError
 from voicemesh.limits import LOOKAHEAD_WORDS, MAX_TOKENS, OUTPUT_RATES
 from voicemesh.v1 import asr_pb2, audio_pb2, tts_pb2
@@ -145,18 +146,6 @@ def test_a_tts_stream_bounds_its_open_utterances_and_the_ids_it_remembers() -> N
         stream.handle(tts_pb2.SynthesizeRequest(cancel=tts_pb2.Cancel(utterance_id=1000 + uid)))
     assert len(stream._cancelled) == len(stream._closed_ids) == REMEMBERED_IDS
     assert 1000 + REMEMBERED_IDS + 99 in stream._cancelled and 1000 not in stream._cancelled
-
-
-class RecordingPool(WorkerPool):
-    """The real pool, noting each job's priority."""
-
-    def __init__(self) -> None:
-        super().__init__(1, "test-tts")
-        self.priorities: list[int] = []
-
-    async def run(self, fn, *args, priority: int = 0):  # type: ignore[no-untyped-def]
-        self.priorities.append(priority)
-        return await super().run(fn, *args, priority=priority)
 
 
 async def test_a_first_chunk_is_due_when_its_text_is_ready_and_a_later_one_before_the_audio_so_far_runs_out() -> None:

@@ -17,6 +17,7 @@ from services.asr.stream import (
     RecognitionStream,
 )
 from services.asr.vad import WINDOW_SAMPLES
+from tests.unit.recording_pool import RecordingPool
 from voicemesh.endpointing import lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
@@ -169,18 +170,6 @@ async def test_partials_a_decision_waits_on_are_decoded_beside_finals_and_never_
         assert finals.calls and not captions.calls, "on the finals' model and workers"
         assert set(pool.priorities) == {DECISION_PARTIAL_PRIORITY}
         assert FINAL_PRIORITY < DECISION_PARTIAL_PRIORITY < PARTIAL_PRIORITY, "after finals, before captions"
-
-
-class RecordingPool(WorkerPool):
-    """The real pool of one worker, noting each job's priority."""
-
-    def __init__(self) -> None:
-        super().__init__(1, "test-asr")
-        self.priorities: list[int] = []
-
-    async def run(self, fn, *args, priority: int = 0):  # type: ignore[no-untyped-def]
-        self.priorities.append(priority)
-        return await super().run(fn, *args, priority=priority)
 
 
 async def test_final_pass_starts_at_the_first_silent_window_by_default() -> None:
