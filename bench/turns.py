@@ -351,6 +351,10 @@ async def text_scores() -> dict[str, object]:
     from bench.turn_sentences import CHECK, TUNE
 
     policy = EndpointingPolicy()
+
+    def wait(probability: float) -> int:
+        return policy.hangover_for(lm_completeness(probability))
+
     engine = build_engine(LlmSettings())
     await engine.start()
     report: dict[str, object] = {}
@@ -369,10 +373,6 @@ async def text_scores() -> dict[str, object]:
                     )
                     scores = [c.turn_end async for c in engine.generate(request) if c.turn_end is not None]
                     (finished if count == len(words) else inside).append((scores[0], text))
-
-            def wait(probability: float) -> int:
-                return policy.hangover_for(lm_completeness(probability))
-
             waits = [wait(p) for p, _ in finished]
             report[split] = {
                 "finished": len(finished),

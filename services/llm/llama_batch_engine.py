@@ -242,7 +242,6 @@ class LlamaBatchEngine:
             raise ValueError(f"prompt has {len(prompt)} tokens; at most {room} fit with max_tokens")
         word = None
         if request.score_turn_end:
-            assert self._llama is not None
             prompt, word = split_at_turn_end(self._tokenize, self.prompt, text, prompt)
         reply = _Reply(
             request,
