@@ -28,6 +28,7 @@ const JITTER_START_MS = Math.max(20, Number(params.get("jitter_ms") || 60));
 const JITTER_MAX_MS = 800;
 const UNDERRUN_STEP_MS = 40;
 const RTC_LOUD = 0.001; // a WebRTC packet's audio level (0-1, linear) above this is sound: -60 dBov, silence is 0
+const RTC_SILENT_AFTER_MS = 100; // a WebRTC reply stopped playing once no loud packet came for this long
 const HEADER_BYTES = 12; // <q time_us><I seq or turn_index>, little-endian
 
 const $ = (id) => document.getElementById(id);
@@ -63,8 +64,8 @@ let config = null; // /api/config
 let ctx = null;
 let micStream = null;
 let capture = null; // mic-capture node
-let player = null; // reply-player node
-let replyMeter = null; // level-meter on whatever plays the reply (the player, or the WebRTC track)
+let player = null; // reply-player node (WebSocket), made when that transport starts
+let replyMeter = null; // level-meter on the player: when a WebSocket reply is heard
 let rtc = null; // {pc, channel}
 let ws = null;
 let uplinkSeq = 0;
@@ -200,9 +201,14 @@ function onPlayed(index, playedMs) {
     t.v2v_ms = playedMs - t.speech_end_ms;
   }
   if (state.transport === "webrtc") {
-    // WebRTC hides when a packet arrived; the gateway's downlink stage then includes the browser's jitter buffer.
-    sendControl({ type: "report", turn_index: index, first_audio_received_us: Math.round(playedMs * 1000) });
-    sampleRtcStats(t);
+    // WebRTC hides when a packet arrived: the gateway's downlink stage ends when the receiver delivered the first
+    // audible packet, after Chromium's jitter buffer; its playout hop is the output device's delay.
+    sendControl({
+      type: "report",
+      turn_index: index,
+      first_audio_received_us: Math.round(t.rtc_delivered_ms * 1000),
+      first_audio_played_us: Math.round(playedMs * 1000),
+    });
   }
   measureHops(t);
   renderLatency(t);
@@ -216,8 +222,9 @@ function onPlayed(index, playedMs) {
 // - sent_to_gateway: sent -> the gateway received it (WebSocket; the gateway's upload_ms less capture_to_sent).
 // - gateway: received -> the first reply frame sent (ASR, LLM, TTS and the gateway's own hold).
 // - downlink: sent -> the page received the first reply frame (WebSocket); on WebRTC, -> the receiver delivered
-//   its first audible packet to the track (see watchRtcSource), or -> played where that is unknown.
-// - buffer: received -> played: the jitter buffer and the audio output (WebSocket); delivered -> played (WebRTC).
+//   its first audible packet to the track (see watchRtcSource).
+// - buffer: received -> played: the jitter buffer and the audio output (WebSocket); on WebRTC, delivered ->
+//   played: the output device's delay, as Chromium reports it for the track's playout (getStats media-playout).
 function measureHops(t) {
   const m = t.metrics;
   if (!m || !t.played_ms || t.speech_end_ms === undefined || !m.speech_end_capture_us) return;
@@ -242,23 +249,27 @@ function measureHops(t) {
         speech_end_frame_sent_us: Math.round(sentMs * 1000),
       });
     }
-  } else if (t.rtc_delivered_ms && t.rtc_delivered_ms <= t.played_ms) {
-    hops.gateway = m.v2v_ms - uploadMs;
-    hops.downlink = t.rtc_delivered_ms - firstSentMs; // Opus, the network, Chromium's jitter buffer, the decoder
-    hops.buffer = t.played_ms - t.rtc_delivered_ms; // the track -> the page's audio graph -> the output
   } else {
     hops.gateway = m.v2v_ms - uploadMs;
-    hops.downlink = t.played_ms - firstSentMs;
+    hops.downlink = t.rtc_delivered_ms - firstSentMs; // Opus, the network, Chromium's jitter buffer, the decoder
+    hops.buffer = t.played_ms - t.rtc_delivered_ms; // the output device
   }
   t.hops = hops;
 }
 
-// WebRTC's receiver, from getStats: the mean jitter buffer delay so far, and audio it had to invent because
-// packets came late (concealed samples that were not silence), counted per turn from the first played sample.
+// WebRTC's receiver, from getStats: the mean jitter buffer delay so far, audio it had to invent because packets
+// came late (concealed samples that were not silence), counted per turn from the first played sample, and the
+// output device's delay (media-playout: from the moment the track's audio is pulled to the moment it is heard).
+// Returns that delay in ms (the AudioContext's output latency where the browser does not report it).
 async function sampleRtcStats(t) {
-  if (!rtc) return;
+  let outputDelayMs = (ctx.outputLatency || ctx.baseLatency || 0) * 1000;
+  if (!rtc) return outputDelayMs;
   const stats = await rtc.pc.getStats();
   stats.forEach((report) => {
+    if (report.type === "media-playout" && report.totalSamplesCount > 0) {
+      outputDelayMs = (report.totalPlayoutDelay / report.totalSamplesCount) * 1000;
+      state.rtcOutputDelayMs = outputDelayMs;
+    }
     if (report.type !== "inbound-rtp" || report.kind !== "audio") return;
     const concealed = (report.concealedSamples || 0) - (report.silentConcealedSamples || 0);
     if (state.rtcConcealedAtTurn !== null) {
@@ -270,6 +281,7 @@ async function sampleRtcStats(t) {
       state.rtcJitterBufferMs = (report.jitterBufferDelay / report.jitterBufferEmittedCount) * 1000;
     }
   });
+  return outputDelayMs;
 }
 
 function sendControl(message) {
@@ -304,6 +316,11 @@ async function openAudio() {
   capture = new AudioWorkletNode(ctx, "mic-capture", { numberOfOutputs: 0 });
   ctx.createMediaStreamSource(micStream).connect(capture);
   capture.port.onmessage = (event) => onCapture(event.data);
+}
+
+// The WebSocket's reply player and the meter on it; WebRTC plays its track through the page's <audio> element.
+function openPlayer() {
+  if (player) return;
   player = new AudioWorkletNode(ctx, "reply-player", {
     numberOfInputs: 0,
     outputChannelCount: [1],
@@ -311,13 +328,14 @@ async function openAudio() {
   });
   player.connect(ctx.destination);
   player.port.onmessage = (event) => onPlayer(event.data);
-  // "Played" means audible, for both transports alike: the reply's first loud render block (128 samples).
+  // "Played" means audible: the reply's first loud render block (128 samples) plus the output latency.
   replyMeter = new AudioWorkletNode(ctx, "level-meter", { numberOfOutputs: 0 });
   player.connect(replyMeter);
   replyMeter.port.onmessage = (event) => onReplyLevel(event.data);
 }
 
 function onReplyLevel(message) {
+  if (state.transport !== "websocket") return;
   setPlaying(message.type === "active");
   if (message.type !== "active") return;
   const pending = Object.values(state.turns).filter((t) => t.user_text && !t.played_ms && !t.interrupted);
@@ -501,26 +519,33 @@ async function startWebRtc() {
   setTransport("webrtc");
 }
 
+// WebRTC's own jitter buffer plays the track, through the <audio> element: what the user hears. (A copy through
+// the page's Web Audio graph, which the page used to meter, reaches it ~30 ms later, through a FIFO that nobody
+// hears: it measured the copy, not the reply.)
 function playRemote(stream) {
   const audio = $("remote");
   audio.srcObject = stream;
   audio.play().catch(() => {});
-  // WebRTC's own jitter buffer plays it; a copy goes to the meter, which tells when the reply is heard.
-  rtc.remoteSource = ctx.createMediaStreamSource(stream);
-  rtc.remoteSource.connect(replyMeter);
 }
 
-// When the receiver handed the reply's first audible packet on to its track (after Chromium's jitter buffer and
+// When the receiver handed the reply's first audible packet to the output (after Chromium's jitter buffer and
 // decoder): getSynchronizationSources() says when (epoch ms) and how loud (the sender's RFC 6464 level), for the
-// packet most recently delivered. The onset of sound after silence belongs to the turn waiting for its reply.
+// packet most recently delivered. The onset of sound after silence belongs to the turn waiting for its reply; it is
+// heard the output device's delay later. The reply plays while loud packets keep coming (silent: 100 ms without).
 function watchRtcSource() {
   if (!rtc || !rtc.receiver) return;
   for (const source of rtc.receiver.getSynchronizationSources()) {
     const loud = (source.audioLevel || 0) > RTC_LOUD;
     if (loud && !rtc.loud) {
       const pending = Object.values(state.turns).filter((t) => t.user_text && !t.rtc_delivered_ms && !t.interrupted);
-      if (pending.length) pending[pending.length - 1].rtc_delivered_ms = source.timestamp;
+      if (pending.length) {
+        const t = pending[pending.length - 1];
+        t.rtc_delivered_ms = source.timestamp;
+        sampleRtcStats(t).then((outputDelayMs) => onPlayed(t.index, t.rtc_delivered_ms + outputDelayMs));
+      }
     }
+    if (loud) rtc.loudUntilMs = source.timestamp + RTC_SILENT_AFTER_MS;
+    setPlaying(loud || source.timestamp < (rtc.loudUntilMs || 0));
     rtc.loud = loud;
   }
 }
@@ -528,7 +553,6 @@ function watchRtcSource() {
 function closeWebRtc() {
   if (!rtc) return;
   clearInterval(rtc.sourceWatch);
-  if (rtc.remoteSource) rtc.remoteSource.disconnect();
   rtc.pc.close();
   rtc = null;
   $("remote").srcObject = null;
@@ -537,6 +561,8 @@ function closeWebRtc() {
 // ---- WebSocket ---------------------------------------------------------------------------------------------------
 function startWebSocket(fallback) {
   setTransport("websocket", fallback ? "fallback" : "");
+  openPlayer();
+  capture.port.postMessage({ type: "frames", on: true }); // WebRTC sends the microphone's track instead
   uplinkSeq = 0;
   lastTransit = null;
   return new Promise((resolve, reject) => {

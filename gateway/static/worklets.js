@@ -1,11 +1,11 @@
 // Audio worklets of the voicemesh page: microphone capture in 20 ms frames with an end-of-speech detector, the
-// reply player with its adaptive jitter buffer, and a level meter for the WebRTC reply track.
+// reply player with its adaptive jitter buffer, and a level meter on that player.
 // Times posted to the page are AudioContext times (seconds), which the page maps to its clock.
 
 const FRAME_S = 0.02;
 
-// Microphone -> 20 ms Int16 frames (posted with the context time of their first sample), plus `speech_end`
-// (the end of the last loud frame) once `silenceS` of quiet followed it.
+// Microphone -> 20 ms Int16 frames (posted with the context time of their first sample, once the page asks for
+// them: {type: "frames", on}), plus `speech_end` (the end of the last loud frame) once `silenceS` of quiet followed it.
 class MicCapture extends AudioWorkletProcessor {
   constructor(options) {
     super();
@@ -19,6 +19,10 @@ class MicCapture extends AudioWorkletProcessor {
     this.sumSquares = 0;
     this.voiced = false;
     this.lastVoicedEnd = 0;
+    this.postFrames = false; // WebRTC sends the microphone's own track: only the WebSocket needs the frames
+    this.port.onmessage = (event) => {
+      if (event.data.type === "frames") this.postFrames = event.data.on;
+    };
   }
 
   process(inputs) {
@@ -48,9 +52,11 @@ class MicCapture extends AudioWorkletProcessor {
       this.voiced = false;
       this.port.postMessage({ type: "speech_end", t: this.lastVoicedEnd });
     }
-    const pcm = this.frame;
-    this.port.postMessage({ type: "frame", t: this.frameStart, pcm }, [pcm.buffer]);
-    this.frame = new Int16Array(this.frameSamples);
+    if (this.postFrames) {
+      const pcm = this.frame;
+      this.port.postMessage({ type: "frame", t: this.frameStart, pcm }, [pcm.buffer]);
+      this.frame = new Int16Array(this.frameSamples);
+    }
     this.filled = 0;
     this.sumSquares = 0;
   }

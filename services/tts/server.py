@@ -34,6 +34,12 @@ from voicemesh.workers import WorkerPool
 # when its listener would otherwise hear a gap. (Later chunks used to wait behind every first chunk: with four
 # sessions speaking at once, a reply's second chunk came up to 0.6 s after its text, and the reply ran dry.)
 REFILL_MS = 300.0
+# Piper starts each sentence with 35-65 ms of near-silence (measured on six replies: 0-63 ms below -60 dBFS). In a
+# reply's first chunk that is time the listener waits for sound that is not there, so it is cut, keeping
+# LEAD_IN_KEPT_MS before the first sample above LEAD_IN_LEVEL so the onset itself stays whole. Later chunks keep
+# theirs: there it is the pause between sentences.
+LEAD_IN_LEVEL = 10 ** (-60 / 20)
+LEAD_IN_KEPT_MS = 5
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
 
@@ -75,6 +81,11 @@ class TtsSettings(config.ServerSettings):
         "a chunk's deadline comes from the caller's playout (TextDelta.playout_ahead_ms, the audio its listener has "
         "left) when it sends one; false: from the audio made so far, as for a caller that does not",
     )
+    trim_lead_in: bool = config.setting(
+        True,
+        "a reply's first chunk starts at its first sound (-60 dBFS, less 5 ms) instead of the voice's 35-65 ms of "
+        "near-silence before it; false: as the voice made it",
+    )
 
 
 @dataclasses.dataclass
@@ -100,6 +111,14 @@ class _Utterance:
         if self.first_audio_ms is None:
             return ready_ns / 1e6
         return self.first_audio_ms + self.audio_ms - REFILL_MS
+
+
+def from_first_sound_of(audio: np.ndarray, rate_hz: int) -> np.ndarray:
+    """`audio` from LEAD_IN_KEPT_MS before its first sample above LEAD_IN_LEVEL; all of it when none is."""
+    loud = np.flatnonzero(np.abs(audio) > LEAD_IN_LEVEL)
+    if not loud.size:
+        return audio
+    return audio[max(0, int(loud[0]) - rate_hz * LEAD_IN_KEPT_MS // 1000) :]
 
 
 class RecentIds:
@@ -137,10 +156,12 @@ class SynthesisStream:
         record_text: bool = False,
         by_deadline: bool = True,
         client_playout: bool = True,
+        trim_lead_in: bool = True,
     ) -> None:
         self.cfg = cfg
         self.by_deadline = by_deadline  # False: chunks in the order they are ready, across the replica's streams
         self.client_playout = client_playout  # False: TextDelta.playout_ahead_ms is checked but not used
+        self.trim_lead_in = trim_lead_in  # a reply's first chunk starts at its first sound
         self.record_text = record_text  # the chunk's text on its span: personal data, off unless asked for
         self.rate_hz = OUTPUT_RATES.check(cfg.sample_rate_hz, "sample_rate_hz")
         self.policy = POLICIES[cfg.chunking]
@@ -259,7 +280,8 @@ class SynthesisStream:
             deadline_ms = submitted_ns / 1e6
             if utterance is not None and self.by_deadline:
                 deadline_ms = utterance.deadline_ms(ready_ns)
-            timed = await self._pool.run(self._render, chunk, priority=round(deadline_ms))
+            first = self.trim_lead_in and utterance is not None and utterance.chunks == 0
+            timed = await self._pool.run(self._render, chunk, first, priority=round(deadline_ms))
             if uid in self._cancelled or utterance is None:
                 continue
             # Waiting behind this stream's earlier chunks counts as queueing too, not just the pool's wait.
@@ -298,10 +320,13 @@ class SynthesisStream:
             utterance.chunks += 1
             utterance.audio_ms += len(frames) * FRAME_MS
 
-    def _render(self, text: str) -> list[bytes]:
-        """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence)."""
+    def _render(self, text: str, from_first_sound: bool = False) -> list[bytes]:
+        """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence);
+        `from_first_sound`: without the near-silence before the first sound."""
         pieces = list(self._engine.synthesize(text, self.voice.name))
         audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
+        if from_first_sound:
+            audio = from_first_sound_of(audio, self.voice.sample_rate_hz)
         audio = resample(audio, self.voice.sample_rate_hz, self.rate_hz)
         framer = Framer(self.rate_hz)
         return [*framer.push(float_to_pcm16(audio)), *framer.flush()]
@@ -396,6 +421,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
             self.settings.log_transcripts,
             self.settings.schedule_by_deadline,
             self.settings.client_playout,
+            self.settings.trim_lead_in,
         )
         synthesizer = asyncio.ensure_future(stream.synthesize_loop())
         synthesizer.add_done_callback(stream.on_loop_done)

@@ -18,7 +18,13 @@ import pytest
 from services.asr.engine import TranscriberCapabilities
 from services.asr.server import validate_config as validate_recognition
 from services.tts.engine import SynthesizerCapabilities, Voice
-from services.tts.server import MAX_OPEN_UTTERANCES, REFILL_MS, REMEMBERED_IDS, SynthesisStream
+from services.tts.server import (
+    MAX_OPEN_UTTERANCES,
+    REFILL_MS,
+    REMEMBERED_IDS,
+    SynthesisStream,
+    from_first_sound_of,
+)
 from services.tts.server import validate_config as validate_synthesis
 from tests.unit.recording_pool import RecordingPool
 from voicemesh.errors import RequestError
@@ -103,6 +109,61 @@ async def test_each_voice_is_resampled_from_its_own_rate_to_the_rate_asked_for()
         assert {f.sample_rate_hz for f in frames} == {48000}
         durations_ms[voice] = len(frames) * 20
     assert durations_ms["low"] == durations_ms["high"] == 200  # two 100 ms words, whatever the voice's rate
+
+
+class FakeLeadInSynthesizer(FakeToneSynthesizer):
+    """As Piper: each piece starts with 60 ms of near-silence (-80 dBFS noise) before its 100 ms of tone."""
+
+    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+        rate_hz = self.capabilities.voice(voice).sample_rate_hz
+        hush = 1e-4 * np.random.default_rng(0).standard_normal(rate_hz * 60 // 1000)
+        for tone in super().synthesize(text, voice):
+            yield np.concatenate([hush, tone]).astype(np.float32)
+
+
+async def spoken(stream: SynthesisStream, *deltas: str) -> list[tts_pb2.SpeechFrame]:
+    """The audio of utterance 1 made of `deltas`, as the stream sends it."""
+    for delta in deltas:
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text=delta)))
+    stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
+    stream.end_input()
+    await asyncio.wait_for(stream.synthesize_loop(), 10)
+    events = []
+    while not stream.events.empty():
+        events.append(stream.events.get_nowait())
+    return [e.audio for e in events if e is not None and e.WhichOneof("event") == "audio"]
+
+
+def level_dbfs(frame: tts_pb2.SpeechFrame) -> float:
+    samples = np.frombuffer(frame.frame.data, dtype="<i2").astype(np.float64) / 32768
+    return float(20 * np.log10(np.sqrt(np.mean(samples**2)) + 1e-12))
+
+
+@pytest.mark.parametrize("trim", [True, False])
+async def test_a_replys_first_chunk_starts_at_its_first_sound_and_later_chunks_keep_their_pause(trim: bool) -> None:
+    engine = FakeLeadInSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    stream = SynthesisStream(
+        config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"), trim_lead_in=trim
+    )
+    frames = await spoken(stream, "one ", "two ")
+    first = [f for f in frames if f.chunk_index == 0]
+    second = [f for f in frames if f.chunk_index == 1]
+    assert first and second
+    if trim:
+        # 5 ms of the hush is kept before the tone: the first 20 ms frame is a quarter hush, three quarters tone.
+        assert level_dbfs(first[0]) > -20, "the listener hears the reply in its first frame"
+        assert len(first) * 20 == 120, "100 ms of tone and 5 ms before it, in 20 ms frames"
+    else:
+        assert level_dbfs(first[0]) < -60 and len(first) * 20 == 160
+    assert level_dbfs(second[0]) < -60 and len(second) * 20 == 160, "a later chunk keeps its pause before it"
+
+
+def test_a_chunk_without_any_sound_is_kept_whole() -> None:
+    hush = np.full(1600, 1e-4, dtype=np.float32)
+    assert from_first_sound_of(hush, 16000) is hush
+    onset = np.concatenate([hush, np.full(10, 0.5, dtype=np.float32)])
+    assert len(from_first_sound_of(onset, 16000)) == 80 + 10  # 5 ms at 16 kHz before the first sound
 
 
 def test_limits_are_one_definition_with_one_message() -> None:
