@@ -13,6 +13,8 @@ gateway/static/app.js; they add up to the page's V2V), the underrun rate, and ag
 how much of it the mesh itself was slower while the browser shared its cores (the gateway hop's p50 less the gRPC
 turns' gateway p50): the browser's own CPU, not the path. `remaining_gap_ms` is the gap less that.
 
+`--variant NAME:VOICEMESH_...=V` (twice) runs all of it on a fresh mesh per variant, side by side, for `--rounds`.
+
 Also the harness of the browser tests (tests/e2e): the chromium flags, the fed WAV, and a loopback-only network.
 """
 
@@ -37,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.variants import environment as variant_environment
+from bench.variants import parse_variant
 from voicemesh.audio import Clip, float_to_pcm16, read_wav, write_wav
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,6 +261,7 @@ def compare(browser: dict[str, Any], grpc: list[dict[str, float]]) -> dict[str, 
 
 
 async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
+    """One fresh local mesh: the gRPC client's turns (half before the browser's, half after) and each transport's."""
     from voicemesh.mesh import Mesh, free_port
 
     ports = {name: free_port() for name in ("asr", "llm", "tts", "gateway", "http")}
@@ -296,6 +301,33 @@ def run(turns: int = 10, transports: Sequence[str] = ("webrtc", "websocket")) ->
     return asyncio.run(run_async(turns, list(transports)))
 
 
+def run_variants(
+    turns: int, transports: Sequence[str], variants: dict[str, dict[str, str]], rounds: int
+) -> dict[str, Any]:
+    """Each variant on a fresh mesh of its own, per round (the variants take turns going first); per transport the
+    medians pooled over the rounds, and the second variant's V2V p50 less the first's."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
+    for round_index in range(rounds):
+        order = list(variants) if round_index % 2 == 0 else list(reversed(variants))
+        for name in order:
+            with variant_environment(variants[name]):
+                runs[name].append(run(turns, transports))
+            print(f"round {round_index + 1}: {name} done", file=sys.stderr)
+    results: dict[str, Any] = {"variants": variants, "runs": runs, "v2v_p50_ms": {}}
+    for name, measured in runs.items():
+        results["v2v_p50_ms"][name] = {
+            transport: round(float(np.median([r[transport]["v2v_ms"]["p50"] for r in measured if r.get(transport)])), 1)
+            for transport in [*transports, "grpc"]
+        }
+    if len(variants) >= 2:
+        first, second = list(variants)[:2]
+        results["second_less_first_v2v_p50_ms"] = {
+            transport: round(results["v2v_p50_ms"][second][transport] - results["v2v_p50_ms"][first][transport], 1)
+            for transport in [*transports, "grpc"]
+        }
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.browser", description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=10, help="turns measured per transport (default 10)")
@@ -304,13 +336,27 @@ def main(argv: Sequence[str] | None = None) -> None:
         default="webrtc,websocket",
         help="comma-separated (default both); a page option may follow a colon, e.g. websocket:jitter_ms=160",
     )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:VOICEMESH_X=V,...",
+        help="run the whole benchmark on a mesh with this environment; give two to compare them side by side, e.g. "
+        "--variant asis:VOICEMESH_TTS_TRIM_LEAD_IN=false --variant trimmed:VOICEMESH_TTS_TRIM_LEAD_IN=true",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="with --variant: fresh meshes per variant (default 1)")
     args = parser.parse_args(argv)
     reason = browser_missing()
     if reason:
         raise SystemExit(reason)
     isolated = isolate_network()
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    results = run(args.turns, args.transports.split(","))
+    transports = args.transports.split(",")
+    if args.variant:
+        variants = dict(parse_variant(text) for text in args.variant)
+        results = run_variants(args.turns, transports, variants, args.rounds)
+    else:
+        results = run(args.turns, transports)
     output = {
         "started": started,
         "method": "first reply audio played in chromium - end of the fed WAV's speech, on the page's audio clock",

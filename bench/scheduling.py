@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+from bench.variants import environment as variant_environment
+from bench.variants import parse_variant
 from voicemesh.loadstats import summarize
 from voicemesh.loadtest import LoadTestOptions
 from voicemesh.loadtest.capacity import DEFAULT_BUDGET_MS
@@ -59,27 +60,12 @@ VARIANTS: dict[str, dict[str, str]] = {
 }
 
 
-@contextlib.contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` in os.environ (which the mesh's processes inherit) for the block."""
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 async def _round(
     variant: str, environment: dict[str, str], options: LoadTestOptions, levels: Sequence[int]
 ) -> dict[int, list[TurnRow]]:
     """One fresh mesh of `variant` (its `environment`); a load test at each level on it."""
     rows: dict[int, list[TurnRow]] = {}
-    with _environment(environment):
+    with variant_environment(environment):
         async with started_local_mesh(f"voicemesh-bench-{variant}-") as target:
             for sessions in levels:
                 report = await loadtest(dataclasses.replace(options, target=target, sessions=sessions))
@@ -112,15 +98,6 @@ def level_summary(rows: Sequence[TurnRow], budget_ms: float) -> dict[str, object
             for stage in QUEUE_STAGES
         },
     }
-
-
-def parse_variant(text: str) -> tuple[str, dict[str, str]]:
-    """NAME:VAR=VALUE,VAR=VALUE (no variables: the mesh's defaults)."""
-    name, _, assignments = text.partition(":")
-    environment = dict(item.split("=", 1) for item in assignments.split(",") if item)
-    if not name or not all(variable.startswith("VOICEMESH_") for variable in environment):
-        raise SystemExit(f"--variant {text!r}: give NAME:VOICEMESH_...=VALUE[,...]")
-    return name, environment
 
 
 def _ratio(new: float | None, old: float | None) -> float | None:

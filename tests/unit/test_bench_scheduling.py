@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scheduling import VARIANTS, level_summary, parse_variant
+from bench.scheduling import VARIANTS, level_summary
+from bench.variants import parse_variant
 from voicemesh.loadtest.report import TurnRow
 from voicemesh.stages import QUEUE_STAGES
 
