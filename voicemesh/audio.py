@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import fractions
 import wave
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import soxr
+
+if TYPE_CHECKING:
+    import av
 
 FRAME_MS = 20
 ASR_RATE_HZ = 16000
@@ -29,20 +34,45 @@ def samples_per_frame(rate_hz: int, frame_ms: int = FRAME_MS) -> int:
 
 
 class StreamResampler:
-    """Resamples a stream chunk by chunk, keeping filter state between chunks (identity when rates match)."""
+    """Resamples a stream chunk by chunk with libswresample (PyAV), keeping its filter state between chunks; the
+    identity when the rates match.
+
+    It holds back ~1 ms of a stream. soxr's stream (HQ), used before, held 21 ms on average and up to 37 ms from 48 to
+    16 kHz in 20 ms chunks: that much later did the ASR hear the end of a 48 kHz caller's speech (every browser page).
+    libswresample's default filter passes 7 kHz at -0.4 dB and leaves 9 kHz at -62 dB on the way to 16 kHz.
+    """
 
     def __init__(self, in_rate_hz: int, out_rate_hz: int) -> None:
         self.in_rate_hz = in_rate_hz
         self.out_rate_hz = out_rate_hz
-        self._stream: soxr.ResampleStream | None = None
+        self._resampler: av.AudioResampler | None = None
+        self._pts = 0
         if in_rate_hz != out_rate_hz:
-            self._stream = soxr.ResampleStream(in_rate_hz, out_rate_hz, 1, dtype="float32", quality="HQ")
+            import av  # the ASR's and the gateway's dependency, not the core's
+
+            self._resampler = av.AudioResampler(format="flt", layout="mono", rate=out_rate_hz)
 
     def process(self, samples: np.ndarray, last: bool = False) -> np.ndarray:
-        if self._stream is None:
+        """The resampled audio of `samples` (float32 mono) that is ready; `last`: also what the filter still holds."""
+        if self._resampler is None:
             return samples.astype(np.float32, copy=False)
-        resampled: np.ndarray = self._stream.resample_chunk(samples.astype(np.float32, copy=False), last=last)
-        return resampled
+        import av
+
+        frames = []
+        if len(samples):
+            frame = av.AudioFrame.from_ndarray(
+                samples.astype(np.float32, copy=False).reshape(1, -1), format="flt", layout="mono"
+            )
+            frame.sample_rate = self.in_rate_hz
+            frame.time_base = fractions.Fraction(1, self.in_rate_hz)
+            frame.pts = self._pts
+            self._pts += len(samples)
+            frames = self._resampler.resample(frame)
+        if last:
+            frames += self._resampler.resample(None)
+        if not frames:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate([frame.to_ndarray().reshape(-1) for frame in frames])
 
 
 def resample(samples: np.ndarray, in_rate_hz: int, out_rate_hz: int) -> np.ndarray:

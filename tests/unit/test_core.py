@@ -61,6 +61,26 @@ def test_stream_resampler_keeps_length_over_chunks() -> None:
     assert abs(sum(len(o) for o in out) - 16000) <= 2
 
 
+def test_stream_resampler_hands_on_each_chunk_at_once_in_time_and_without_aliasing() -> None:
+    """A 20 ms frame at 48 kHz comes out as (nearly) its 320 samples at 16 kHz at once: the ASR hears the end of
+    speech when its frame arrives, not one or two frames later. Speech band passes; what would alias is gone."""
+    resampler = StreamResampler(48000, 16000)
+    impulse = np.zeros(48000, dtype=np.float32)
+    impulse[4800] = 1.0  # at 100 ms
+    out, held = [], []
+    for start in range(0, len(impulse), 960):
+        out.append(resampler.process(impulse[start : start + 960]))
+        held.append((start + 960) // 3 - sum(len(o) for o in out))
+    assert max(held) <= 32, f"held back up to {max(held) / 16:.1f} ms of the stream"
+    assert int(np.argmax(np.abs(np.concatenate(out)))) == 1600, "the impulse stays at 100 ms"
+    t = np.arange(48000) / 48000
+    for hz, gain in ((1000, 1.0), (6000, 1.0), (10000, 0.0)):
+        resampler = StreamResampler(48000, 16000)
+        tone = (0.5 * np.sin(2 * np.pi * hz * t)).astype(np.float32)
+        y = np.concatenate([resampler.process(tone[i : i + 960]) for i in range(0, len(tone), 960)])[800:]
+        assert np.sqrt(np.mean(y**2)) / (0.5 / np.sqrt(2)) == pytest.approx(gain, abs=0.05), hz
+
+
 def test_settings_from_flags_env_and_defaults() -> None:
     from services.asr.server import AsrSettings
 
