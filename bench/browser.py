@@ -221,6 +221,7 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         "jitter_buffer": state["jitter"],
         "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),
         "webrtc_jitter_buffer_mean_ms": state.get("rtcJitterBufferMs"),
+        "webrtc_output_delay_ms": state.get("rtcOutputDelayMs"),
         "user_texts": sorted({t["user_text"] for t in measured}),
     }
 

@@ -54,6 +54,7 @@ const state = {
   jitter: { jitterMs: 0, targetMs: JITTER_START_MS, underruns: 0, starved: 0, underrunTurns: [] },
   rtcJitterTargetMs: null, // the WebRTC receiver's jitterBufferTarget as Chromium took it (null: not set)
   rtcJitterBufferMs: null, // the WebRTC receiver's mean jitter buffer delay (getStats), ms
+  rtcOutputDelayMs: null, // the WebRTC track's output delay (getStats media-playout), ms: delivered -> heard
   rtcConcealedAtTurn: null, // {index, concealed}: the receiver's concealed non-silent samples when a turn played
   error: null,
   closed: null,

@@ -40,9 +40,20 @@ def heard_turns(state: dict) -> list[dict]:
     return [t for t in state["turns"].values() if t.get("user_text") and t.get("played_ms")]
 
 
+async def reported(stage: str, before: float) -> bool:
+    """Whether the gateway's histogram of `stage` grew past `before` (the page's report is on its way)."""
+    for _ in range(50):
+        if telemetry.TURN_STAGE.labels(stage)._sum.get() > before:
+            return True
+        await asyncio.sleep(0.1)
+    return False
+
+
 async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(playwright, web_gateway) -> None:
+    playouts = telemetry.TURN_STAGE.labels("playout")._sum.get()
     async with page_talking(playwright, web_gateway, [1.0, load_clip("spk1_snt1"), 12.0]) as page:
         state = await page.wait_until(HEARD_WITH_HOPS, TURN_TIMEOUT_S)
+        playout_reported = await reported("playout", playouts)
         shown = await page.page.inner_text("#conversation")
         latency_rows = await page.page.locator("#latency tbody tr").count()
         await page.page.click("#mic")  # stop: the gateway lets the reply finish, then ends the session
@@ -57,6 +68,10 @@ async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(pla
     assert turn["reply_text"].strip() and turn["reply_text"].strip()[:20] in shown
     assert turn["v2v_ms"] > 0, "the page measured voice-to-voice for the turn"
     check_hops(turn)
+    # Heard through the <audio> element: the receiver's delivery plus the output delay Chromium reports for it.
+    assert state["rtcOutputDelayMs"] is not None and state["rtcOutputDelayMs"] > 0
+    assert turn["hops"]["buffer"] == pytest.approx(state["rtcOutputDelayMs"], abs=1.0)
+    assert playout_reported, "the page reported when the reply was delivered and heard"
     assert latency_rows >= 1
     assert ended["closed"]["code"] == 1000 and not ended["error"]
 
@@ -69,16 +84,13 @@ async def test_when_webrtc_cannot_connect_the_page_moves_to_websocket_and_comple
     playouts = telemetry.TURN_STAGE.labels("playout")._sum.get()
     async with page_talking(playwright, web_gateway, microphone, "?simulate=ice-blocked") as page:
         state = await page.wait_until(f"s.transport === 'websocket' && {HEARD_WITH_HOPS}", TURN_TIMEOUT_S)
-        for _ in range(50):  # the page's report of its hops is on its way to the gateway
-            if telemetry.TURN_STAGE.labels("playout")._sum.get() > playouts:
-                break
-            await asyncio.sleep(0.1)
+        playout_reported = await reported("playout", playouts)
     assert state["fallbackReason"], "the page says why it left WebRTC"
     assert state["error"] in (None, ""), state["error"]
     turn = heard_turns(state)[0]
     assert "child" in turn["user_text"].lower() and turn["transport"] == "websocket"
     check_hops(turn)
-    assert telemetry.TURN_STAGE.labels("playout")._sum.get() > playouts, "the page reported its hops to the gateway"
+    assert playout_reported, "the page reported its hops to the gateway"
     history = web_gateway.servicer.history(state["sessionId"])
     assert history and (history[0].role, history[0].text) == ("user", turn["user_text"])
 
