@@ -28,7 +28,7 @@ from aiortc import (
     RTCRtpReceiver,
     RTCSessionDescription,
 )
-from aiortc.jitterbuffer import JitterBuffer
+from aiortc.jitterbuffer import JitterBuffer, JitterFrame
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from gateway.browser import BrowserSession
@@ -154,21 +154,49 @@ class ReplyTrack(MediaStreamTrack):
         return frame
 
 
+GIVE_UP_AFTER_PACKETS = 2  # a microphone packet still missing while this many later ones wait is lost (40 ms)
+
+
+class PacketPerFrameBuffer(JitterBuffer):
+    """The microphone's RTP, handed to the decoder packet by packet, in order, as soon as each is next.
+
+    aiortc's JitterBuffer finds the end of a frame by the arrival of a packet with the next timestamp (a video frame
+    spans packets), so every audio packet waited for the next one: 20 ms of uplink on every turn, even with no
+    prefetch. An Opus packet is a whole frame, so the next one in order goes on the moment it is here. A packet that is
+    still missing while GIVE_UP_AFTER_PACKETS later ones wait is given up on: the ASR hears 20 ms less instead of the
+    buffer holding everything behind the gap until it overflows. (aiortc's buffer hands on one frame per packet that
+    arrives, so a backlog never drains: one lost packet left its audio 14 packets, 280 ms, behind for the rest of the
+    call; here it is one packet behind, as every packet used to be.)
+    """
+
+    def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
+        if self._origin is None:
+            return None
+        if self._packets[self._origin % self._capacity] is None:
+            if sum(packet is not None for packet in self._packets) < GIVE_UP_AFTER_PACKETS:
+                return None
+            while self._packets[self._origin % self._capacity] is None:
+                self.remove(1)
+        packet = self._packets[self._origin % self._capacity]
+        assert packet is not None  # the loop above stops at one
+        self.remove(1)
+        return JitterFrame(data=packet._data, timestamp=packet.timestamp)  # type: ignore[attr-defined]
+
+
 def hand_packets_on_at_once(receiver: RTCRtpReceiver) -> None:
-    """The microphone's packets go to the decoder as soon as they are in order, not four packets (80 ms) later.
+    """The microphone's packets go to the decoder as each arrives (PacketPerFrameBuffer), not four packets later.
 
     aiortc's audio receiver holds 4 complete frames in its jitter buffer before it decodes the oldest (prefetch=4),
-    which is for a listener: smooth playout. The session only reads the audio (its ASR takes frames as they come and
-    has no clock to keep), so that wait was 80 ms of uplink on every turn (bench.browser's WebRTC
-    `endpoint_alignment` hop: 72 ms with it). With prefetch 0 a packet waits only for the next one (20 ms), which
-    still puts packets that arrive out of order back in order. aiortc keeps the buffer private (1.16.0, pinned in
-    pyproject.toml); where a later release renames it, the default stays and a warning says so.
+    which is for a listener: smooth playout, and each frame is complete only once the next packet is here. The session
+    only reads the audio (its ASR takes frames as they come and has no clock to keep), so that was 100 ms of uplink on
+    every turn. aiortc keeps the buffer private (1.16.0, pinned in pyproject.toml); where a later release renames it,
+    the default stays and a warning says so.
     """
     attribute = "_RTCRtpReceiver__jitter_buffer"
     if not isinstance(getattr(receiver, attribute, None), JitterBuffer):
         log.warning("aiortc's receive jitter buffer was not found: the microphone keeps its 80 ms prefetch")
         return
-    setattr(receiver, attribute, JitterBuffer(capacity=16, prefetch=0))
+    setattr(receiver, attribute, PacketPerFrameBuffer(capacity=16))
 
 
 class WebRtcPeer:

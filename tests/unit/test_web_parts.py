@@ -174,27 +174,35 @@ def test_ice_host_candidates_follow_the_bind_address() -> None:
     assert options.host_addresses == ["10.1.2.3", "10.1.2.4"]
 
 
-async def test_the_microphones_packets_are_decoded_after_one_packet_not_four() -> None:
+async def test_the_microphones_packets_are_decoded_as_each_arrives_and_a_lost_one_holds_nothing_up() -> None:
     from aiortc import RTCPeerConnection
     from aiortc.rtp import RtpPacket
 
-    def handed_on_after(receiver: object) -> int:
-        """How many later packets arrive before the first one is handed to the decoder."""
+    def packet(seq: int) -> RtpPacket:
+        made = RtpPacket(payload_type=111, sequence_number=seq, timestamp=960 * seq, payload=b"x")
+        made._data = bytes([seq])  # type: ignore[attr-defined]  # what aiortc's receiver sets: the depacketized frame
+        return made
+
+    def handed_on(receiver: object, arriving: list[int]) -> list[list[int]]:
+        """The frames (by sequence number) handed to the decoder as each packet arrives."""
         buffer = receiver._RTCRtpReceiver__jitter_buffer  # type: ignore[attr-defined]
-        for seq in range(8):
-            packet = RtpPacket(payload_type=111, sequence_number=seq, timestamp=960 * seq, payload=b"x")
-            packet._data = b"x"  # type: ignore[attr-defined]  # what aiortc's receiver sets: the depacketized frame
-            _, frame = buffer.add(packet)
-            if frame is not None:
-                assert frame.timestamp == 0
-                return seq
-        raise AssertionError("no packet handed on after 8")
+        handed = []
+        for seq in arriving:
+            _, frame = buffer.add(packet(seq))
+            handed.append([] if frame is None else [frame.data[0]])
+        return handed
 
     pc = RTCPeerConnection()
     try:
-        default, ours = (pc.addTransceiver("audio").receiver for _ in range(2))
-        hand_packets_on_at_once(ours)
-        assert handed_on_after(default) == 4, "aiortc's own receiver waits for 4 more packets (the control)"
-        assert handed_on_after(ours) == 1
+        default, ours, lossy, reordered = (pc.addTransceiver("audio").receiver for _ in range(4))
+        for receiver in (ours, lossy, reordered):
+            hand_packets_on_at_once(receiver)
+        control = handed_on(default, list(range(8)))
+        assert control.index([0]) == 4, "aiortc's own receiver waits for 4 more packets (the control)"
+        assert handed_on(ours, list(range(6))) == [[0], [1], [2], [3], [4], [5]], "each packet at once"
+        # Packet 2 never comes: nothing waits for it past two later packets, and no packet is handed on twice.
+        assert handed_on(lossy, [0, 1, 3, 4, 5, 6]) == [[0], [1], [], [3], [4], [5]]
+        # Packet 2 comes after 3: both are heard, in order.
+        assert handed_on(reordered, [0, 1, 3, 2, 4, 5]) == [[0], [1], [], [2], [3], [4]]
     finally:
         await pc.close()
