@@ -62,6 +62,16 @@ CHROMIUM_ARGS = (
     "--disable-sync",
 )
 NETNS_ENV = "VOICEMESH_NETNS"
+STAGE_FIELDS = (
+    "endpoint_ms",
+    "asr_queue_ms",
+    "asr_compute_ms",
+    "llm_queue_ms",
+    "llm_first_token_ms",
+    "tts_queue_ms",
+    "tts_first_audio_ms",
+    "gateway_hold_ms",
+)
 
 
 def browser_missing() -> str | None:
@@ -201,6 +211,11 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         for t in measured
         if t.get("metrics") and t["metrics"].get("first_audio_sent_us")
     ]
+    stages: dict[str, list[float]] = {}  # the gateway's own split of its hop (TurnMetrics)
+    for t in measured:
+        for stage in STAGE_FIELDS:
+            if stage in (t.get("metrics") or {}):
+                stages.setdefault(stage, []).append(t["metrics"][stage])
     hops: dict[str, list[float]] = {}
     for t in measured:
         for hop, value in (t.get("hops") or {}).items():
@@ -216,12 +231,14 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         "gateway_v2v_ms": _summary(server),
         "downlink_and_buffer_ms": _summary(downlink),
         "hops_p50_ms": {hop: round(float(np.median(values)), 1) for hop, values in hops.items()},
+        "gateway_stages_p50_ms": {stage: round(float(np.median(values)), 1) for stage, values in stages.items()},
         "turns_with_hops": min((len(values) for values in hops.values()), default=0),
         "underrun_rate": round(underrun_turns / len(measured), 3) if measured else None,
         "jitter_buffer": state["jitter"],
         "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),
         "webrtc_jitter_buffer_mean_ms": state.get("rtcJitterBufferMs"),
         "webrtc_output_delay_ms": state.get("rtcOutputDelayMs"),
+        "webrtc_concealed_ms": [round(t["rtc_concealed_ms"], 1) for t in measured if "rtc_concealed_ms" in t],
         "user_texts": sorted({t["user_text"] for t in measured}),
     }
 
@@ -241,7 +258,9 @@ async def measure_grpc(target: str, clips: Sequence[Clip], turns: int) -> list[d
         said, _, _ = await talk(target, trimmed(clips[index % len(clips)]), config, trailing_silence_s=6.0)
         turn = said[0] if said else None
         if turn is not None and turn.v2v_ms is not None and turn.metrics is not None:
-            measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": turn.metrics.server.v2v_ms})
+            server = turn.metrics.server
+            stages = {stage: float(getattr(server, stage)) for stage in STAGE_FIELDS}
+            measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": server.v2v_ms, **stages})
     return measured
 
 
@@ -292,6 +311,11 @@ async def run_async(turns: int, transports: list[str]) -> dict[str, Any]:
             "turns": len(grpc),
             "v2v_ms": _summary([t["v2v_ms"] for t in grpc]),
             "gateway_v2v_ms": _summary([t["gateway_ms"] for t in grpc]),
+            "gateway_stages_p50_ms": {
+                stage: round(float(np.median([t[stage] for t in grpc if stage in t])), 1)
+                for stage in STAGE_FIELDS
+                if any(stage in t for t in grpc)
+            },
         }
         for transport in transports:
             results[transport]["against_grpc"] = compare(results[transport], grpc)
