@@ -89,6 +89,19 @@ def test_a_stream_picks_any_declared_voice_and_an_unknown_one_is_refused_with_th
     assert refused.value.message == "voice='en_US-joe-medium' unknown; available: 'low', 'high' (or empty for 'low')"
 
 
+async def spoken(stream: SynthesisStream, *deltas: str) -> list[tts_pb2.SpeechFrame]:
+    """The audio of utterance 1 made of `deltas`, as the stream sends it."""
+    for delta in deltas:
+        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text=delta)))
+    stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
+    stream.end_input()
+    await asyncio.wait_for(stream.synthesize_loop(), 10)
+    events = []
+    while not stream.events.empty():
+        events.append(stream.events.get_nowait())
+    return [e.audio for e in events if e is not None and e.WhichOneof("event") == "audio"]
+
+
 async def test_each_voice_is_resampled_from_its_own_rate_to_the_rate_asked_for() -> None:
     engine = FakeToneSynthesizer()
     durations_ms = {}
@@ -97,14 +110,7 @@ async def test_each_voice_is_resampled_from_its_own_rate_to_the_rate_asked_for()
             session_id="s", voice=voice, sample_rate_hz=48000, lookahead_words=1, encoding=PCM16
         )
         stream = SynthesisStream(config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"))
-        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text="one two ")))
-        stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
-        stream.end_input()
-        await asyncio.wait_for(stream.synthesize_loop(), 10)
-        events = []
-        while not stream.events.empty():
-            events.append(stream.events.get_nowait())
-        frames = [e.audio.frame for e in events if e is not None and e.WhichOneof("event") == "audio"]
+        frames = [speech.frame for speech in await spoken(stream, "one two ")]
         assert frames and all(len(f.data) == 48000 * 2 // 50 for f in frames)  # 20 ms at 48 kHz
         assert {f.sample_rate_hz for f in frames} == {48000}
         durations_ms[voice] = len(frames) * 20
@@ -119,19 +125,6 @@ class FakeLeadInSynthesizer(FakeToneSynthesizer):
         hush = 1e-4 * np.random.default_rng(0).standard_normal(rate_hz * 60 // 1000)
         for tone in super().synthesize(text, voice):
             yield np.concatenate([hush, tone]).astype(np.float32)
-
-
-async def spoken(stream: SynthesisStream, *deltas: str) -> list[tts_pb2.SpeechFrame]:
-    """The audio of utterance 1 made of `deltas`, as the stream sends it."""
-    for delta in deltas:
-        stream.handle(tts_pb2.SynthesizeRequest(text=tts_pb2.TextDelta(utterance_id=1, text=delta)))
-    stream.handle(tts_pb2.SynthesizeRequest(flush=tts_pb2.Flush(utterance_id=1)))
-    stream.end_input()
-    await asyncio.wait_for(stream.synthesize_loop(), 10)
-    events = []
-    while not stream.events.empty():
-        events.append(stream.events.get_nowait())
-    return [e.audio for e in events if e is not None and e.WhichOneof("event") == "audio"]
 
 
 def level_dbfs(frame: tts_pb2.SpeechFrame) -> float:
