@@ -94,3 +94,32 @@ async def test_serving_process_drains_in_flight_streams_on_sigterm() -> None:
     finally:
         if process.poll() is None:
             process.kill()
+
+
+FROZEN_AFTER_START = """
+import asyncio, gc, os, signal
+from voicemesh.config import ServerSettings
+from voicemesh.serving import Server
+
+async def main() -> None:
+    server = Server(ServerSettings(port=0), ["voicemesh.v1.Synthesizer"], lambda _: None)
+    async def look() -> None:
+        while server.port == 0:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        print("frozen", gc.get_freeze_count(), flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+    watcher = asyncio.ensure_future(look())
+    await server.run_until_signal()
+    await watcher
+
+asyncio.run(main())
+"""
+
+
+def test_a_serving_process_puts_what_it_loaded_out_of_the_collectors_reach() -> None:
+    """A full collection never walks the process's startup heap again (it stalled the gateway's event loop)."""
+    done = subprocess.run([sys.executable, "-c", FROZEN_AFTER_START], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    frozen = int(done.stdout.split()[-1])
+    assert frozen > 10_000, done.stdout
