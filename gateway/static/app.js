@@ -251,6 +251,7 @@ function measureHops(t) {
       });
     }
   } else {
+    if (!t.rtc_delivered_ms) return; // played after the move to WebSocket: its path was neither door's whole
     hops.gateway = m.v2v_ms - uploadMs;
     hops.downlink = t.rtc_delivered_ms - firstSentMs; // Opus, the network, Chromium's jitter buffer, the decoder
     hops.buffer = t.played_ms - t.rtc_delivered_ms; // the output device
