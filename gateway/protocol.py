@@ -5,8 +5,10 @@ data channel carries too.
                             later {"type": "stop"}: the user is done; the last reply plays out, then the socket closes;
                             {"type": "report", "turn_index", "first_audio_received_us"}: the downlink, and later
                             its own hops, "first_audio_played_us" and "speech_end_frame_sent_us" (ClientReport)
-                    binary  one 20 ms frame: 12-byte header <q capture_time_us><I seq> (little-endian, epoch us of
-                            the page's clock, seq from 0 without gaps), then PCM16LE mono at input_sample_rate_hz
+                    binary  one frame: 12-byte header <q capture_time_us><I seq> (little-endian, epoch us of the
+                            page's clock, seq from 0 without gaps), then PCM16LE mono at input_sample_rate_hz: 20 ms
+                            is what the page sends, but any whole number of samples up to 1 s is heard (an
+                            AudioWorklet's 128-sample quanta, a client's 10 or 40 ms blocks)
   gateway -> page   text    the Converse events as {"type": <event kind>, "turn_index": n, ...the event's fields},
                             e.g. {"type": "user_partial", "turn_index": 0, "text": "the child", "stable_prefix": ""}
                     binary  reply audio: 12-byte header <q sent_time_us><I turn_index>, then 20 ms of PCM16LE mono
@@ -31,7 +33,9 @@ from voicemesh.errors import RequestError, invalid
 from voicemesh.v1 import conversation_pb2
 
 FRAME_HEADER = struct.Struct("<qI")  # up: capture_time_us, seq; down: sent_time_us, turn_index
-MAX_MESSAGE_BYTES = 64 * 1024  # a start message with a long system prompt fits; audio frames are ~2 KB
+# A start message with a long system prompt fits, and so does the longest audio frame the FrameChecker hears (1 s at
+# 48 kHz, 96 KB: a longer one gets the checker's reason, not the socket's bare 1009).
+MAX_MESSAGE_BYTES = 128 * 1024
 CLOSE_REASON_BYTES = 123  # the WebSocket limit; the full message goes in the error event before the close
 
 CLOSE_OK = 1000
@@ -63,13 +67,13 @@ def close_reason(reason: str) -> bytes:
 
 
 def parse_uplink_frame(data: bytes, rate_hz: int) -> tuple[int, int, bytes]:
-    """One binary WebSocket message -> (capture_time_us, seq, PCM16LE); raises RequestError unless 20 ms."""
-    expected = samples_per_frame(rate_hz) * 2
-    if len(data) != FRAME_HEADER.size + expected:
+    """One binary WebSocket message -> (capture_time_us, seq, PCM16LE); raises RequestError for a message too short
+    to hold the header and a sample. The audio's size is the FrameChecker's to judge: any whole number of samples up
+    to MAX_FRAME_MS is heard, so a client that frames differently loses nothing."""
+    if len(data) < FRAME_HEADER.size + 2:
         raise invalid(
-            f"audio message of {len(data)} bytes ({max(0, len(data) - FRAME_HEADER.size)} bytes of audio); send a "
-            f"{FRAME_HEADER.size}-byte header (capture_time_us, seq) and 20 ms of PCM16LE mono at {rate_hz} Hz "
-            f"({expected} bytes)"
+            f"audio message of {len(data)} bytes; send a {FRAME_HEADER.size}-byte header (capture_time_us, seq) "
+            f"and then PCM16LE mono at {rate_hz} Hz ({samples_per_frame(rate_hz) * 2} bytes for 20 ms)"
         )
     capture_us, seq = FRAME_HEADER.unpack_from(data)
     return capture_us, seq, data[FRAME_HEADER.size :]

@@ -47,7 +47,8 @@ URGENT_WORDS = Range(1, 32, 4)
 """Words at the start of a reply that a listener waits for: an LLM replica does not hand its slot on before them."""
 LOOKAHEAD_WORDS = Range(1, 4, 2)
 """Words the TTS waits for beyond a chunk before synthesizing it (a 1-2 word lookahead keeps prosody)."""
-INPUT_RATES = Rates((16000, 48000))
-"""Rates of the user's audio (the gateway and the ASR resample to 16 kHz)."""
+INPUT_RATES = Rates((8000, 16000, 22050, 24000, 32000, 44100, 48000))
+"""Rates of the user's audio: telephony's 8 kHz, the ASR's own 16 kHz, and the rates sound cards and browsers run at
+(a page whose AudioContext runs at 44.1 kHz sends that). The ASR resamples each stream to 16 kHz as it arrives."""
 OUTPUT_RATES = Rates((16000, 22050, 24000, 48000), default=16000)
 """Rates of the reply audio (the TTS resamples its voice to it)."""

@@ -137,6 +137,31 @@ async def test_a_spoken_question_over_the_websocket_gets_a_spoken_reply(services
     assert heard.strip(), "the reply audio, transcribed by the ASR service, says something"
 
 
+async def test_a_page_at_44_1_khz_in_ragged_frames_is_heard_whole(services, web_gateway) -> None:
+    """A client whose AudioContext runs at 44.1 kHz and sends what its worklet hands it (128-sample quanta, with now
+    and then a 40 ms block after a stall) is heard like one that sends 20 ms at 48 kHz: every word, one turn."""
+    rate_hz = 44100
+    pcm = load_clip("spk1_snt1").to_rate(rate_hz).pcm16() + b"\x00" * (rate_hz * 2 * 2)  # then 2 s of silence
+    sizes = [128] * 20 + [1764]  # samples: 20 quanta (58 ms), then a 40 ms block
+    async with aiohttp.ClientSession() as client:
+        talk = await open_ws(client, web_gateway, {"input_sample_rate_hz": rate_hz})
+        started, sent, turn = time.monotonic(), 0, 0
+        while sent < len(pcm):
+            samples = sizes[turn % len(sizes)]
+            chunk, sent, turn = pcm[sent : sent + samples * 2], sent + samples * 2, turn + 1
+            await talk.ws.send_bytes(FRAME_HEADER.pack(epoch_us(), talk.seq) + chunk)
+            talk.seq += 1
+            await asyncio.sleep(max(0.0, started + sent / 2 / rate_hz - time.monotonic()))  # at real time
+        await talk.wait_for("reply_done")
+        await talk.ws.send_str(json.dumps({"type": "stop"}))
+        await talk.closed()
+    assert talk.close_code == 1000, (talk.close_reason, talk.refusals())
+    finals = talk.of("user_final")
+    assert len(finals) == 1, [f["text"] for f in finals]
+    heard = finals[0]["text"].lower()
+    assert all(word in heard for word in ("child", "almost", "hurt", "small", "dog")), heard
+
+
 async def test_the_same_session_id_continues_the_history_and_retires_the_old_connection(web_gateway) -> None:
     session_id = "web-history-continues"
     async with aiohttp.ClientSession() as client:
@@ -300,7 +325,7 @@ async def test_a_gateway_with_a_token_refuses_browsers_without_it() -> None:
     [
         (b"\x00" * 100, ("first message", "start")),
         ('{"type": "hello"}', ("start",)),
-        ('{"type": "start", "config": {"input_sample_rate_hz": 44100}}', ("input_sample_rate_hz=44100",)),
+        ('{"type": "start", "config": {"input_sample_rate_hz": 44000}}', ("input_sample_rate_hz=44000",)),
         ('{"type": "start", "config": {"no_such_field": 1}}', ("no_such_field",)),
     ],
 )
@@ -319,7 +344,9 @@ async def test_a_bad_start_is_refused_with_its_reason(offline_gateway, first, wo
 @pytest.mark.parametrize(
     ("frames", "words"),
     [
-        ([FRAME_HEADER.pack(0, 0) + b"\x00" * 640], ("640 bytes", "1920 bytes", "48000 Hz")),
+        ([FRAME_HEADER.pack(0, 0) + b"\x00" * 641], ("641 bytes, odd",)),
+        ([FRAME_HEADER.pack(0, 0) + b"\x00" * (2 * RATE_HZ + 2)], ("96002 bytes is over 1000 ms",)),
+        ([FRAME_HEADER.pack(0, 0)], ("12-byte header", "1920 bytes for 20 ms")),
         (
             [FRAME_HEADER.pack(0, 0) + b"\x00" * FRAME_BYTES, FRAME_HEADER.pack(0, 2) + b"\x00" * FRAME_BYTES],
             ("missing",),

@@ -59,8 +59,12 @@ def test_a_multilingual_model_accepts_its_languages_and_detects_when_none_is_giv
 
 def test_the_asr_refuses_an_input_rate_it_does_not_resample_from() -> None:
     with pytest.raises(RequestError) as refused:
-        validate_recognition(asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=44100), ENGLISH_ONLY)
-    assert refused.value.message == "sample_rate_hz=44100 unsupported; send one of 16000, 48000"
+        validate_recognition(asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=44000), ENGLISH_ONLY)
+    assert refused.value.message == (
+        "sample_rate_hz=44000 unsupported; send one of 8000, 16000, 22050, 24000, 32000, 44100, 48000"
+    )
+    for rate in (8000, 44100):  # telephony, and a sound card at 44.1 kHz
+        validate_recognition(asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=rate), ENGLISH_ONLY)
 
 
 class FakeToneSynthesizer:
