@@ -8,6 +8,11 @@ Then the same question of the engines as shipped: N replies at once through the 
 and through the slot engine (one reply at a time, `max_batch` 1), with every cost in (prefill, sampling, stop
 strings, the asyncio hand-off), as aggregate completion tokens/s and the replies' first-token times.
 `python -m bench.llm_batch`.
+
+`--calling-threads`: one decode step (one sequence) when every llama.cpp call comes from one thread, against when a
+warm-up ran on another thread first (what the engines did before: a team of OpenMP threads is left per calling
+thread, and past one thread per core libgomp sleeps between parallel regions instead of spinning). Each case runs in
+a fresh process, rounds interleaved.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
+import threading
 import time
 
 import llama_cpp
@@ -187,12 +194,65 @@ async def compare_engines(levels: tuple[int, ...], rounds: int, threads: int) ->
     return {"rounds": rounds, "max_tokens": 48, "levels": table}
 
 
+CALLING_THREAD_CASES = ("one_thread", "warmed_up_on_another_thread")
+
+
+def calling_thread_probe(case: str, steps: int, threads: int) -> float:
+    """The p50 decode step (ms) in this process, with every call on one thread or a warm-up on another first."""
+    llama = Llama(model_path=str(default_model_path()), n_ctx=16, n_batch=16, n_threads=1, verbose=False)
+    result: list[float] = []
+
+    def decode() -> None:
+        if case == "one_thread":
+            measure(llama, 1, 8, threads)  # warm-up
+        step = measure(llama, 1, steps, threads)["step_ms_p50"]
+        assert isinstance(step, float)
+        result.append(step)
+
+    if case == "warmed_up_on_another_thread":
+        measure(llama, 1, 8, threads)
+    worker = threading.Thread(target=decode)
+    worker.start()
+    worker.join()
+    llama.close()
+    return result[0]
+
+
+def compare_calling_threads(rounds: int, steps: int, threads: int) -> dict[str, object]:
+    runs: dict[str, list[float]] = {case: [] for case in CALLING_THREAD_CASES}
+    for _ in range(rounds):
+        for case in CALLING_THREAD_CASES:
+            argv = [sys.executable, "-m", "bench.llm_batch", "--probe", case, "--steps", str(steps)]
+            output = subprocess.run([*argv, "--threads", str(threads)], check=True, capture_output=True, text=True)
+            runs[case].append(float(output.stdout.strip().splitlines()[-1]))
+    medians = {case: round(statistics.median(values), 2) for case, values in runs.items()}
+    return {
+        "threads": threads,
+        "steps": steps,
+        "rounds": rounds,
+        "step_ms_p50": medians,
+        "step_ms_each_round": runs,
+        "warmed_elsewhere_over_one_thread": round(
+            medians[CALLING_THREAD_CASES[1]] / medians[CALLING_THREAD_CASES[0]], 2
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the engine comparison")
+    parser.add_argument("--calling-threads", action="store_true", help="only the calling-thread comparison")
+    parser.add_argument("--probe", choices=CALLING_THREAD_CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.probe:
+        print(calling_thread_probe(args.probe, args.steps, args.threads))
+        return
+    if args.calling_threads:
+        json.dump(compare_calling_threads(args.rounds, args.steps, args.threads), sys.stdout, indent=2)
+        print()
+        return
     result = run(args.steps, args.threads, levels=(1, 2, 4, 8))
     result["engines"] = asyncio.run(compare_engines((1, 2, 4, 8), args.rounds, args.threads))
     json.dump(result, sys.stdout, indent=2)

@@ -4,8 +4,10 @@ session's prefix kept, urgent work first, cancellation within a step."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import llama_cpp
 import pytest
 import pytest_asyncio
 
@@ -170,3 +172,24 @@ async def test_flow_control_keeps_a_reply_within_max_ahead_s_of_its_listener_and
     assert said == alone, "held back, it says exactly what it says unpaced"
     assert speech_s(said) > MIN_AHEAD_S + 1.0, "a reply long enough to be held back"
     assert paced.sat_out > sat_out
+
+
+async def test_every_llama_cpp_computation_runs_on_the_engine_thread(monkeypatch) -> None:
+    """llama.cpp's OpenMP keeps a team of threads per calling thread; with a second caller (the warm-up, once) a
+    2-core process held more OpenMP threads than cores and every decode step ran 1.6 times slower
+    (`python -m bench.llm_batch --calling-threads`). So the warm-up, the prompts and every step share one thread."""
+    callers: set[int] = set()
+    decode = llama_cpp.llama_decode
+
+    def recorded(*args: object) -> int:
+        callers.add(threading.get_ident())
+        return decode(*args)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recorded)
+    engine = LlamaBatchEngine(default_model_path(), max_batch=2)
+    await engine.start()
+    try:
+        await asyncio.gather(_chunks(engine, "thread-a", "Hello there."), _chunks(engine, "thread-b", LONG))
+    finally:
+        await engine.close()
+    assert len(callers) == 1 and threading.get_ident() not in callers, "one engine thread, not the event loop's"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
+import llama_cpp
 import pytest
 import pytest_asyncio
 
@@ -93,3 +95,27 @@ async def test_a_reply_decodes_no_further_ahead_of_its_playout_than_max_ahead_s_
     assert paced.held_back >= 1
     # It streamed at most max_ahead_s (and one token) ahead of a listener who started once its urgent words were out.
     assert end_at - first_at >= speech_s(text) - MIN_AHEAD_S - 0.5
+
+
+async def test_each_slot_computes_on_one_thread_of_its_own(monkeypatch) -> None:
+    """As the batched engine: a second thread calling llama.cpp leaves a second OpenMP team, which on 2 cores made
+    every decode step 1.6 times slower. Replies of different sessions, one after another, share the slot's thread."""
+    callers: set[int] = set()
+    decode = llama_cpp.llama_cpp.llama_decode  # what llama-cpp-python's Llama calls
+
+    def recorded(*args: object) -> int:
+        callers.add(threading.get_ident())
+        return decode(*args)
+
+    monkeypatch.setattr(llama_cpp.llama_cpp, "llama_decode", recorded)
+    engine = LlamaCppEngine(default_model_path())
+    await engine.start()
+    try:
+        for index in range(3):
+            # Other work of the process on the default executor's threads (gRPC's, the event loop's helpers).
+            busy = [asyncio.get_running_loop().run_in_executor(None, time.sleep, 0.3) for _ in range(index + 1)]
+            await _reply(engine, f"slot-thread-{index}", "Hello there.", max_tokens=4)
+            await asyncio.gather(*busy)
+    finally:
+        await engine.close()
+    assert len(callers) == 1 and threading.get_ident() not in callers
