@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -214,9 +215,7 @@ class LlamaCppEngine:
         head = self.prompt.render([Message("user", "Hello.")])
         loop = asyncio.get_running_loop()
         for slot in self._slots:
-            await loop.run_in_executor(
-                slot.thread, lambda llama=slot.llama: llama.create_completion(head, max_tokens=1)
-            )
+            await loop.run_in_executor(slot.thread, functools.partial(slot.llama.create_completion, head, max_tokens=1))
 
     def _load(self) -> Llama:
         return Llama(
