@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -96,8 +97,9 @@ async def test_serving_process_drains_in_flight_streams_on_sigterm() -> None:
             process.kill()
 
 
-FROZEN_AFTER_START = """
-import asyncio, gc, os, signal
+SERVING_PROCESS = """
+import asyncio, gc, json, os, signal
+import numpy, threadpoolctl
 from voicemesh.config import ServerSettings
 from voicemesh.serving import Server
 
@@ -107,7 +109,8 @@ async def main() -> None:
         while server.port == 0:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        print("frozen", gc.get_freeze_count(), flush=True)
+        serving = [pool["num_threads"] for pool in threadpoolctl.threadpool_info() if pool["user_api"] == "blas"]
+        print(json.dumps({"frozen": gc.get_freeze_count(), "blas_serving": serving}), flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
     watcher = asyncio.ensure_future(look())
     await server.run_until_signal()
@@ -117,9 +120,11 @@ asyncio.run(main())
 """
 
 
-def test_a_serving_process_puts_what_it_loaded_out_of_the_collectors_reach() -> None:
-    """A full collection never walks the process's startup heap again (it stalled the gateway's event loop)."""
-    done = subprocess.run([sys.executable, "-c", FROZEN_AFTER_START], capture_output=True, text=True, timeout=60)
+def test_a_serving_process_freezes_its_startup_heap_and_runs_numpy_on_one_thread() -> None:
+    """A full collection never walks the process's startup heap again (it stalled the gateway's event loop), and
+    numpy's BLAS keeps no spinning thread per core beside the engines' own threads."""
+    done = subprocess.run([sys.executable, "-c", SERVING_PROCESS], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    frozen = int(done.stdout.split()[-1])
-    assert frozen > 10_000, done.stdout
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["frozen"] > 10_000, seen
+    assert seen["blas_serving"] == [1], seen
