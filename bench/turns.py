@@ -40,6 +40,7 @@ from services.asr.whisper_engine import WhisperTranscriber
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh.audio import Clip, read_wav, resample
+from voicemesh.cpus import one_blas_thread
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
@@ -444,6 +445,7 @@ def run(
     names = [c for c in (clips or list(SPLIT)) if (CLIPS / f"{c}.wav").exists()]
     if not names:
         return {"skipped": f"no clips under {CLIPS}"}
+    one_blas_thread()  # as the ASR and LLM services do when they serve
     return asyncio.run(measure(names, policies or list(POLICIES), kinds))
 
 

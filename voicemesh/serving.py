@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any, Protocol
 
 import grpc
-import threadpoolctl
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from voicemesh import logs, telemetry
 from voicemesh.auth import Authenticator, Unauthenticated
 from voicemesh.config import ServerSettings
+from voicemesh.cpus import one_blas_thread
 from voicemesh.errors import RequestError
 from voicemesh.tls import ServerTls
 
@@ -398,10 +398,7 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # numpy's OpenBLAS keeps a thread per core and spins it after every call, waiting for the next: in the ASR
-        # (Whisper's mel filterbank is a matrix product) it burned 2 s of a core per 7 s of speech, at nice 0, in the
-        # very moments the LLM's prefill needed both cores. No service's numpy work is big enough to share out.
-        threadpoolctl.threadpool_limits(1, user_api="blas")
+        one_blas_thread()
         await self.start()
         # What is loaded by now lives as long as the process: out of the collector's reach, so that no full collection
         # walks it again. One did, in the gateway, for 50-55 ms on a loaded box (13.5 ms idle) while its event loop
