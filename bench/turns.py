@@ -40,8 +40,8 @@ from services.asr.whisper_engine import WhisperTranscriber
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh.audio import Clip, read_wav, resample
-from voicemesh.cpus import one_blas_thread
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
+from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import WorkerPool
 

@@ -31,8 +31,6 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-import threadpoolctl
-
 T = TypeVar("T")
 
 NICE = range(0, 20)
@@ -61,16 +59,6 @@ def thread_split(cpus: int) -> dict[str, int]:
         "VOICEMESH_LLM_N_THREADS": half,
         "VOICEMESH_TTS_INTRA_OP_THREADS": half,
     }
-
-
-def one_blas_thread() -> None:
-    """numpy's matrix products on the calling process's own thread only (every service does this as it serves).
-
-    OpenBLAS keeps a thread per core and spins it after each call, waiting for the next. In the ASR (Whisper's mel
-    filterbank is a matrix product, once per decode) that thread burned 2 s of a core per 7 s of speech, at nice 0,
-    in the very moments the LLM's prefill needed both cores: bench.pipeline (c) V2V p50 354 -> 300 ms, the LLM's
-    first token 83 -> 43 ms. No service's numpy work is big enough to be worth sharing out."""
-    threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 def budget_env(cpus: int, environ: dict[str, str] | None = None) -> dict[str, dict[str, str]]:

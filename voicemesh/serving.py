@@ -15,13 +15,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any, Protocol
 
 import grpc
+import threadpoolctl
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from voicemesh import logs, telemetry
 from voicemesh.auth import Authenticator, Unauthenticated
 from voicemesh.config import ServerSettings
-from voicemesh.cpus import one_blas_thread
 from voicemesh.errors import RequestError
 from voicemesh.tls import ServerTls
 
@@ -407,6 +407,16 @@ class Server:
         gc.freeze()
         await stop.wait()
         await self.stop()
+
+
+def one_blas_thread() -> None:
+    """numpy's matrix products on the calling process's own thread only (every service does this as it starts serving).
+
+    OpenBLAS keeps a thread per core and spins it after each call, waiting for the next. In the ASR (Whisper's mel
+    filterbank is a matrix product, once per decode) that thread burned 2 s of a core per 7 s of speech, at nice 0,
+    in the very moments the LLM's prefill needed both cores: bench.pipeline (c) V2V p50 354 -> 300 ms, the LLM's
+    first token 83 -> 43 ms. No service's numpy work is big enough to be worth sharing out."""
+    threadpoolctl.threadpool_limits(1, user_api="blas")
 
 
 async def merge_reader(reader: Awaitable[None], events: asyncio.Queue[Any]) -> AsyncIterator[Any]:
