@@ -42,6 +42,7 @@ import numpy as np
 from bench.variants import environment as variant_environment
 from bench.variants import parse_variant
 from voicemesh.audio import Clip, float_to_pcm16, read_wav, write_wav
+from voicemesh.stages import SERVER_STAGES, server_stages_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -62,16 +63,7 @@ CHROMIUM_ARGS = (
     "--disable-sync",
 )
 NETNS_ENV = "VOICEMESH_NETNS"
-STAGE_FIELDS = (
-    "endpoint_ms",
-    "asr_queue_ms",
-    "asr_compute_ms",
-    "llm_queue_ms",
-    "llm_first_token_ms",
-    "tts_queue_ms",
-    "tts_first_audio_ms",
-    "gateway_hold_ms",
-)
+STAGE_FIELDS = tuple(f"{name}_ms" for name in SERVER_STAGES)  # the gateway's split of its hop, as TurnMetrics names it
 
 
 def browser_missing() -> str | None:
@@ -259,7 +251,7 @@ async def measure_grpc(target: str, clips: Sequence[Clip], turns: int) -> list[d
         turn = said[0] if said else None
         if turn is not None and turn.v2v_ms is not None and turn.metrics is not None:
             server = turn.metrics.server
-            stages = {stage: float(getattr(server, stage)) for stage in STAGE_FIELDS}
+            stages = {f"{name}_ms": value for name, value in server_stages_ms(server).items()}
             measured.append({"v2v_ms": turn.v2v_ms, "gateway_ms": server.v2v_ms, **stages})
     return measured
 
