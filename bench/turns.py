@@ -120,11 +120,16 @@ class Outcome:
 
 
 def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
-    """End of the last 10 ms block within 35 dB of the clip's loudest block (the clips are clean recordings)."""
+    """End of the last 10 ms block within 35 dB of the clip's loudest block and 10 dB above its noise floor (the
+    5th percentile of its blocks that are not digital silence). Without the floor, a recording's room noise
+    counted as speech: wizard.wav's last 230 ms sit at its floor, -40 to -49 dBFS as before its first word, and
+    every commit in them was scored a cut-off."""
     block = rate_hz // 100
     blocks = audio[: len(audio) // block * block].reshape(-1, block)
     level = 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
-    loud = np.flatnonzero(level > level.max() - 35)
+    sounding = level[level > -100]
+    floor = float(np.percentile(sounding, 5)) if len(sounding) else -120.0
+    loud = np.flatnonzero(level > max(level.max() - 35, floor + 10))
     return float((loud[-1] + 1) * 10)
 
 

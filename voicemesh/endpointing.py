@@ -3,7 +3,6 @@ bad session config up front) and by the ASR (which applies it)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from voicemesh.errors import invalid
@@ -25,13 +24,14 @@ class EndpointingPolicy:
     kept the tuning clips' in-sentence pauses whole."""
     min_speech_ms: int = 96
     """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
-    min_hangover_ms: int = 128
+    min_hangover_ms: int = 64
     """The wait after a pause a language model scored complete (a TurnScore). Scores from the transcript's ending
     or the audio model never go below `hangover_ms`: both call clause ends of read speech complete ("The child
     almost hurt | the small dog": Smart Turn 0.74, and a full stop from Whisper), and a shorter wait split
-    spk1_snt1 at its natural 230 ms pause. Gemma's P(turn end) there is 0.004. On a 2-core machine the score
-    comes ~150-250 ms after the speech stops (draft decode, then the LLM's prefill), so that, not this, is the
-    wait in practice."""
+    spk1_snt1 at its natural 230 ms pause. Gemma's P(turn end) there is 0.004. On a 2-core machine the LLM's score
+    comes 70-130 ms after the speech stops (the draft decode, then the reply's prefill), so that, not this, is
+    the wait in practice; this only keeps a score that comes sooner from committing within two windows. Was 128:
+    every sure turn then waited 128 ms after a score that was in at ~85 (bench.turns, the `horizon` clip)."""
     max_hangover_ms: int = 1200
     """The wait after a pause scored incomplete: mid-sentence pauses of real speakers run to 600-800 ms."""
     fixed_hangover: bool = False
@@ -58,19 +58,25 @@ INCOMPLETE_AT = 0.55
 that Smart Turn doubts) waits ~820 ms, longer than the 600 ms mid-sentence pauses of the tuning set."""
 
 
-LM_COMPLETE_AT = 0.6
-"""A language model's P(turn end) at or above this takes the short wait. Gemma 3 270M, word by word through
-16 sentences (`tune` half): 12 of 16 finished sentences scored above, 3 of 131 points inside them (clause ends:
-"...this weekend | if it does not rain")."""
-LM_INCOMPLETE_AT = 0.03
-"""At or below this, the long wait: the model sees no end here (most points inside a sentence score < 0.01)."""
+LM_COMPLETE_AT = 0.45
+"""A language model's P(turn end) at or above this takes the short wait. Chosen with `python -m bench.turns --text`
+(Gemma 3 270M, word by word through 40 sentences written for it, `tune` half) and the real clips' pauses: 15 of 20
+finished `tune` sentences score above it, and 13 of 185 points inside them (clause ends that are sentences
+themselves: "The kids want pancakes for breakfast | but we are out of eggs"); `check`: 19 of 20 and 16 of 175.
+Whisper's transcripts of read speech score lower than written sentences: "The child almost hurt the small dog"
+0.46, "...who had vanished behind the curtain on the left" 0.42 (0.6 made both wait 160-200 ms more)."""
+LM_INCOMPLETE_AT = 0.2
+"""At or below this, the long wait. Between the two the wait grows linearly as P falls: at 0.29 (the clause end
+"He began a confused complaint against the wizard | who had vanished...") ~800 ms, past its 600 ms pause. Was a
+log scale from 0.03, which gave such clause ends 250-400 ms: 20 of 185 `tune` points inside sentences committed
+within a 600 ms pause against 14 now (`check`: 24 against 16). The cost: a finished sentence the model doubts
+(P 0.15, "We are sure that one war is enough": the model expects "... enough to") waits the full maximum."""
 
 
 def lm_completeness(probability: float) -> float:
     """A language model's P(turn end) on the completeness scale of `hangover_for`: its thresholds map onto
-    COMPLETE_AT and INCOMPLETE_AT, log-interpolated between them (probabilities spread over decades)."""
-    p = min(max(probability, 1e-6), 1.0)
-    position = math.log(p / LM_INCOMPLETE_AT) / math.log(LM_COMPLETE_AT / LM_INCOMPLETE_AT)
+    COMPLETE_AT and INCOMPLETE_AT, linearly between them."""
+    position = (probability - LM_INCOMPLETE_AT) / (LM_COMPLETE_AT - LM_INCOMPLETE_AT)
     return min(1.0, max(0.0, INCOMPLETE_AT + position * (COMPLETE_AT - INCOMPLETE_AT)))
 
 

@@ -410,15 +410,18 @@ class Loudness:
     """Tracks the speaker's level (a peak that decays about 6 dB per second, so a louder earlier turn does not
     mute a softer one), and makes end-of-speech detection independent of it:
     - `quiet`: a window 35 dB under the speaker's level is silence, whatever the VAD says;
-    - `normalize`: the VAD hears every speaker near the same level, a distant or quiet one turned up by as much
-      as MAX_GAIN_DB (Silero misses speech at -50 dBFS that it finds at -20).
+    - `normalize`: the VAD hears every speaker at the same level, a distant or quiet one turned up by as much as
+      MAX_GAIN_DB (Silero misses speech at -50 dBFS that it finds at -20), a loud one turned down. Silero's
+      probabilities, and so where it hears speech stop, depend on the level it is fed: unnormalized, the same
+      sentence 20 dB quieter ended a window earlier or later and 40 dB quieter broke into five pieces.
     """
 
     QUIET_BELOW_DB = 35.0
-    FLOOR_DBFS = -85.0  # only near-digital silence is quiet by level alone
+    FLOOR_DBFS = -100.0  # only digital silence is quiet by level alone (a -40 dB speaker's tail is above it)
     DECAY_DB_PER_WINDOW = 0.2
     TARGET_DBFS = -20.0
-    MAX_GAIN_DB = 30.0
+    MAX_GAIN_DB = 40.0  # speech down to -60 dBFS is heard as at -20
+    MAX_CUT_DB = 20.0  # speech up to 0 dBFS (a close, hot microphone) is heard as at -20
 
     def __init__(self) -> None:
         self.level_dbfs = -120.0
@@ -430,7 +433,7 @@ class Loudness:
         return dbfs < max(self.FLOOR_DBFS, self.level_dbfs - self.QUIET_BELOW_DB)
 
     def normalize(self, window: np.ndarray) -> np.ndarray:
-        gain_db = min(self.MAX_GAIN_DB, max(0.0, self.TARGET_DBFS - self.level_dbfs))
+        gain_db = min(self.MAX_GAIN_DB, max(-self.MAX_CUT_DB, self.TARGET_DBFS - self.level_dbfs))
         if gain_db == 0.0:
             return window
         return np.clip(window * np.float32(10 ** (gain_db / 20)), -1.0, 1.0)

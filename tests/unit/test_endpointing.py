@@ -1,7 +1,7 @@
 import pytest
 
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
-from voicemesh.endpointing import lm_completeness, policy_from, to_proto
+from voicemesh.endpointing import LM_COMPLETE_AT, LM_INCOMPLETE_AT, lm_completeness, policy_from, to_proto
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2
 
@@ -152,11 +152,14 @@ def test_by_default_a_complete_pause_waits_the_short_hangover_and_an_incomplete_
 
 
 def test_a_language_models_probability_maps_onto_the_completeness_scale() -> None:
-    waits = [EndpointingPolicy().hangover_for(lm_completeness(p)) for p in (0.9, 0.6, 0.3, 0.1, 0.03, 0.001)]
+    probabilities = (0.9, LM_COMPLETE_AT, 0.4, 0.3, 0.25, LM_INCOMPLETE_AT, 0.01)
+    waits = [EndpointingPolicy().hangover_for(lm_completeness(p)) for p in probabilities]
     assert waits == sorted(waits)
     assert waits[0] == waits[1] == EndpointingPolicy().min_hangover_ms
     assert waits[-2] == waits[-1] == EndpointingPolicy().max_hangover_ms
-    assert waits[1] < waits[2] < waits[3] < waits[4]
+    assert waits[1] < waits[2] < waits[3] < waits[4] < waits[5]
+    # A clause end the model half expects to go on ("...against the wizard |", P 0.29) outwaits a 600 ms pause.
+    assert EndpointingPolicy().hangover_for(lm_completeness(0.29)) > 600
 
 
 def test_a_score_that_never_comes_leaves_the_fixed_hangover() -> None:

@@ -56,11 +56,16 @@ def test_a_quiet_speaker_reaches_the_vad_at_a_normal_level_and_silence_stays_qui
     assert loudness.quiet(np.zeros(512, np.float32))
 
 
-def test_a_loud_speaker_is_left_alone() -> None:
+def test_a_loud_speaker_reaches_the_vad_at_the_same_level_as_a_normal_one() -> None:
     loudness = Loudness()
-    speech = (0.3 * np.sin(np.arange(512) * 0.2)).astype(np.float32)
+    speech = (0.6 * np.sin(np.arange(512) * 0.2)).astype(np.float32)  # about -7 dBFS: a close, hot microphone
     loudness.quiet(speech)
-    assert loudness.normalize(speech) is speech
+    level = 10 * np.log10(np.mean(loudness.normalize(speech).astype(np.float64) ** 2))
+    assert level == pytest.approx(Loudness.TARGET_DBFS, abs=0.5)
+    at_target = (0.1 * np.sin(np.arange(512) * 0.2)).astype(np.float32)  # -23 dBFS: within reach, left alone
+    fresh = Loudness()
+    fresh.level_dbfs = Loudness.TARGET_DBFS
+    assert fresh.normalize(at_target) is at_target
 
 
 def test_whisper_repeating_the_end_of_the_utterance_is_undone() -> None:
