@@ -29,6 +29,8 @@ const JITTER_MAX_MS = 800;
 const UNDERRUN_STEP_MS = 40;
 const RTC_LOUD = 0.001; // a WebRTC packet's audio level (0-1, linear) above this is sound: -60 dBov, silence is 0
 const RTC_SILENT_AFTER_MS = 100; // a WebRTC reply stopped playing once no loud packet came for this long
+const RTC_POLL_MS = 5; // how often the page asks the WebRTC receiver which packet it delivered last
+const RTC_POLL_LATE_MS = 50; // a poll this late (a background tab runs timers once a second) cannot time an onset
 const HEADER_BYTES = 12; // <q time_us><I seq or turn_index>, little-endian
 
 const $ = (id) => document.getElementById(id);
@@ -197,6 +199,10 @@ function onPlayed(index, playedMs) {
   if (t.played_ms) return;
   t.played_ms = playedMs;
   const before = state.speechEnds.filter((end) => end < playedMs);
+  if (t.untimed_ms) {
+    renderLatency(t); // heard; its voice-to-voice is not known to better than t.untimed_ms, so it is not reported
+    return;
+  }
   if (before.length) {
     t.speech_end_ms = before[before.length - 1];
     t.v2v_ms = playedMs - t.speech_end_ms;
@@ -478,7 +484,7 @@ async function startWebRtc() {
     }
     playRemote(event.streams[0] || new MediaStream([event.track]));
     rtc.receiver = event.receiver;
-    rtc.sourceWatch = setInterval(watchRtcSource, 5);
+    rtc.sourceWatch = setInterval(watchRtcSource, RTC_POLL_MS);
   };
   // Once up, a connection that fails (the network changed, a firewall woke up) moves to WebSocket too.
   const failedAfterConnecting = () => {
@@ -536,6 +542,9 @@ function playRemote(stream) {
 // heard the output device's delay later. The reply plays while loud packets keep coming (silent: 100 ms without).
 function watchRtcSource() {
   if (!rtc || !rtc.receiver) return;
+  const now = performance.now();
+  const sincePollMs = rtc.polledAt === undefined ? 0 : now - rtc.polledAt;
+  rtc.polledAt = now;
   for (const source of rtc.receiver.getSynchronizationSources()) {
     const loud = (source.audioLevel || 0) > RTC_LOUD;
     if (loud && !rtc.loud) {
@@ -543,6 +552,10 @@ function watchRtcSource() {
       if (pending.length) {
         const t = pending[pending.length - 1];
         t.rtc_delivered_ms = source.timestamp;
+        // The receiver names only the packet it delivered last. Polled late (Chromium runs a background tab's
+        // timers once a second), the reply began up to that long before it: heard, but not timed, rather than
+        // reported late.
+        if (sincePollMs > RTC_POLL_LATE_MS) t.untimed_ms = sincePollMs;
         sampleRtcStats(t).then((outputDelayMs) => onPlayed(t.index, t.rtc_delivered_ms + outputDelayMs));
       }
     }

@@ -52,15 +52,23 @@ async def offline_gateway(playwright) -> AsyncIterator[GatewayServer]:
 
 @contextlib.asynccontextmanager
 async def page_talking(
-    playwright, server: GatewayServer, microphone: Sequence[Clip | float], query: str = "", press_mic: bool = True
+    playwright,
+    server: GatewayServer,
+    microphone: Sequence[Clip | float],
+    query: str = "",
+    press_mic: bool = True,
+    init_script: str = "",
 ) -> AsyncIterator[PageDriver]:
-    """The gateway's page in a fresh chromium whose microphone plays `microphone` (on a loop), mic button pressed."""
+    """The gateway's page in a fresh chromium whose microphone plays `microphone` (on a loop), mic button pressed;
+    `init_script` runs in the page before its own scripts."""
     with tempfile.TemporaryDirectory(prefix="voicemesh-e2e-") as workdir:
         wav = Path(workdir) / "microphone.wav"
         fake_mic_wav(wav, microphone)
         browser = await launch(playwright, wav)
         try:
             driver = PageDriver(await browser.new_page())
+            if init_script:
+                await driver.page.add_init_script(init_script)
             await driver.page.goto(f"http://localhost:{server.http_port}/{query}")
             if press_mic:
                 await driver.page.click("#mic")

@@ -132,6 +132,36 @@ async def test_barge_in_from_the_page_stops_the_reply(playwright, web_gateway, t
     assert any(e["type"] == "interrupted" and e["turn_index"] == interrupt["turn"] for e in state["events"])
 
 
+# A tab in the background, as Chromium runs one: hidden, and its timers fire at most once a second. (Headless
+# Chromium never hides a page, so the page is told so and its timers are slowed here.) Audio and network events are
+# not throttled in a background tab, and the page's audio path uses only those.
+BACKGROUND_TAB = """
+Object.defineProperty(document, "hidden", { get: () => true });
+Object.defineProperty(document, "visibilityState", { get: () => "hidden" });
+const throttle = (timer) => (callback, delay, ...args) => timer(callback, Math.max(1000, delay || 0), ...args);
+window.setInterval = throttle(window.setInterval.bind(window));
+window.setTimeout = throttle(window.setTimeout.bind(window));
+"""
+
+
+@pytest.mark.parametrize("transport", ["webrtc", "websocket"])
+async def test_a_page_in_a_background_tab_is_heard_whole_and_never_times_a_reply_wrongly(
+    playwright, web_gateway, transport
+) -> None:
+    microphone = [1.0, load_clip("spk1_snt1"), 12.0]
+    async with page_talking(
+        playwright, web_gateway, microphone, f"?transport={transport}", init_script=BACKGROUND_TAB
+    ) as page:
+        state = await page.wait_until(HEARD, TURN_TIMEOUT_S)
+    assert state["transport"] == transport
+    (heard,) = heard_turns(state)[:1]
+    assert {"child", "hurt", "small", "dog"} <= set(heard["user_text"].lower().replace(".", "").split())
+    if transport == "websocket":  # timed on the audio thread: exact in the background too
+        assert heard["v2v_ms"] > 0 and not heard.get("untimed_ms")
+    else:  # the receiver's onset is read by a timer, now late by up to a second: heard, and not timed
+        assert heard["untimed_ms"] > 50 and heard.get("v2v_ms") is None
+
+
 @pytest.mark.parametrize("query", ["", "?transport=websocket"])
 async def test_a_full_gateway_tells_the_user_why(playwright, query) -> None:
     dead = [f"127.0.0.1:{free_port()}" for _ in range(3)]
