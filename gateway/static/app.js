@@ -47,6 +47,7 @@ const state = {
   // index -> {user_text, reply_text, played_ms, speech_end_ms, v2v_ms, metrics, interrupted, received_ms, hops}
   turns: {},
   speechEnds: [], // epoch ms of the ends of the user's speech, as the microphone heard them
+  micVoiced: false, // the microphone hears speech, or its tail, and has not named its end yet
   playing: false,
   interruptions: 0,
   flushedMs: 0,
@@ -198,14 +199,9 @@ function onPlayed(index, playedMs) {
   const t = turn(index);
   if (t.played_ms) return;
   t.played_ms = playedMs;
-  const before = state.speechEnds.filter((end) => end < playedMs);
   if (t.untimed_ms) {
     renderLatency(t); // heard; its voice-to-voice is not known to better than t.untimed_ms, so it is not reported
     return;
-  }
-  if (before.length) {
-    t.speech_end_ms = before[before.length - 1];
-    t.v2v_ms = playedMs - t.speech_end_ms;
   }
   if (state.transport === "webrtc") {
     // WebRTC hides when a packet arrived: the gateway's downlink stage ends when the receiver delivered the first
@@ -216,6 +212,23 @@ function onPlayed(index, playedMs) {
       first_audio_received_us: Math.round(t.rtc_delivered_ms * 1000),
       first_audio_played_us: Math.round(playedMs * 1000),
     });
+  }
+  if (state.micVoiced) {
+    // The microphone still hears the user's speech or its tail (it names the end once 250 ms of quiet followed):
+    // a fast reply can start before that. The turn is timed from that end once it is known.
+    t.awaiting_speech_end = true;
+    renderLatency(t);
+    return;
+  }
+  timeTurn(t);
+}
+
+// The turn's voice-to-voice, from the last end of speech the microphone heard before its reply played.
+function timeTurn(t) {
+  const before = state.speechEnds.filter((end) => end < t.played_ms);
+  if (before.length) {
+    t.speech_end_ms = before[before.length - 1];
+    t.v2v_ms = t.played_ms - t.speech_end_ms;
   }
   measureHops(t);
   renderLatency(t);
@@ -351,8 +364,16 @@ function onReplyLevel(message) {
 }
 
 function onCapture(message) {
-  if (message.type === "speech_end") {
-    state.speechEnds.push(epochMsAt(message.t));
+  if (message.type === "speech_start") {
+    state.micVoiced = true;
+  } else if (message.type === "speech_end") {
+    const end = epochMsAt(message.t);
+    state.speechEnds.push(end);
+    state.micVoiced = false;
+    for (const t of Object.values(state.turns).filter((t) => t.awaiting_speech_end)) {
+      t.awaiting_speech_end = false;
+      if (end < t.played_ms) timeTurn(t); // else the reply began while the user was still talking: not timed
+    }
   } else if (message.type === "frame" && ws && ws.readyState === WebSocket.OPEN && state.transport === "websocket") {
     const data = new ArrayBuffer(HEADER_BYTES + message.pcm.byteLength);
     const view = new DataView(data);
