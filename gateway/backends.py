@@ -265,10 +265,14 @@ class Backends:
         said: list[str] = []
         started = time.monotonic()
         wait_s = SATURATED_RETRY_S[0]
+        failed: set[str] = set()  # replicas that failed this call (not merely full)
         while True:
             last_error: grpc.aio.AioRpcError | None = None
             saturated = False
-            for target in self.llm_order(request.session_id):
+            order = [t for t in self.llm_order(request.session_id) if t not in failed] or self.llm_order(
+                request.session_id
+            )
+            for target in order:
                 attempt = request
                 if said:
                     attempt = llm_pb2.GenerateRequest()
@@ -294,6 +298,7 @@ class Backends:
                         saturated = True  # a full replica is healthy: only skipped for this round
                     else:
                         self.mark_down("llm", target)
+                        failed.add(target)
                         telemetry.FAILOVERS.labels("llm").inc()
                     log.info(
                         "llm replica failed; trying the next",
@@ -304,6 +309,10 @@ class Backends:
                     call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
             if last_error is None:
                 raise unavailable("no LLM replica is known (its replica set is empty)")
+            # A replica left out of this round as suspect (a health check it was too busy to answer in time) is
+            # tried once every replica in the round has failed: the ranking falls back to all replicas then.
+            if any(t not in failed and t not in order for t in self.llm_order(request.session_id)):
+                continue
             # Every replica is full (one of them down, say, and the rest carrying its sessions): wait for a slot
             # rather than lose the turn, within the first-token limit.
             if not saturated or time.monotonic() - started + wait_s > first_token_timeout_s:

@@ -1,10 +1,14 @@
 import collections
 
+import grpc
 import pytest
 
+from gateway.backends import Backends
 from voicemesh.admission import QueueAdmission, StreamLimit
 from voicemesh.errors import RequestError
+from voicemesh.mesh import free_port
 from voicemesh.routing import ReplicaSet, parse_targets, rendezvous_rank
+from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 REPLICAS = [f"10.0.0.{i}:50062" for i in range(1, 6)]
 SESSIONS = [f"session-{i}" for i in range(2000)]
@@ -83,3 +87,32 @@ def test_queue_admission_zero_budget_is_off_and_stream_limit() -> None:
         with limit.hold():
             pass
     assert limit.open == 0
+
+
+class FakeGenerator(llm_pb2_grpc.GeneratorServicer):
+    """An LLM replica that answers every request with one word."""
+
+    async def Generate(self, request, context):
+        yield llm_pb2.GenerateResponse(text_delta="hello", replica="alive")
+
+
+async def test_a_replica_left_out_as_suspect_is_tried_once_the_healthy_ones_fail() -> None:
+    """A busy replica that missed a health check is out of the ranking; when the replica that is in dies, the turn
+    still goes to the suspect one rather than failing with UNAVAILABLE (seen in the routing integration test)."""
+    server = grpc.aio.server()
+    llm_pb2_grpc.add_GeneratorServicer_to_server(FakeGenerator(), server)
+    alive = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: the connection is refused
+    backends = Backends(dead, f"{dead},{alive}", dead)
+    try:
+        backends.mark_down("llm", alive)
+        assert backends.llm_order("s") == [dead]
+        request = llm_pb2.GenerateRequest(
+            session_id="s", messages=[llm_pb2.ChatMessage(role=llm_pb2.ROLE_USER, content="hi")]
+        )
+        replies = [r async for r in backends.generate(request)]
+        assert [r.replica for r in replies] == ["alive"]
+    finally:
+        await backends.close()
+        await server.stop(None)
