@@ -309,8 +309,8 @@ class Backends:
                     call.cancel()  # no-op once finished; frees the replica's slot when the caller gave up
             if last_error is None:
                 raise unavailable("no LLM replica is known (its replica set is empty)")
-            # A replica left out of this round as suspect (a health check it was too busy to answer in time) is
-            # tried once every replica in the round has failed: the ranking falls back to all replicas then.
+            # A replica left out of this round as suspect (it stalled or failed a moment ago, and no health check has
+            # cleared it yet) is tried once every replica in the round has failed: the ranking then falls back to all.
             if any(t not in failed and t not in order for t in self.llm_order(request.session_id)):
                 continue
             # Every replica is full (one of them down, say, and the rest carrying its sessions): wait for a slot

@@ -69,7 +69,7 @@ LM_INCOMPLETE_AT = 0.2
 """At or below this, the long wait. Between the two the wait grows linearly as P falls: at 0.29 (the clause end
 "He began a confused complaint against the wizard | who had vanished...") ~800 ms, past its 600 ms pause. Was a
 log scale from 0.03, which gave such clause ends 250-400 ms: 20 of 185 `tune` points inside sentences committed
-within a 600 ms pause against 14 now (`check`: 24 against 16). The cost: a finished sentence the model doubts
+within a 600 ms pause against 14 now (`check`: 23 against 16). The cost: a finished sentence the model doubts
 (P 0.15, "We are sure that one war is enough": the model expects "... enough to") waits the full maximum."""
 
 
