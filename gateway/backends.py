@@ -269,9 +269,8 @@ class Backends:
         while True:
             last_error: grpc.aio.AioRpcError | None = None
             saturated = False
-            order = [t for t in self.llm_order(request.session_id) if t not in failed] or self.llm_order(
-                request.session_id
-            )
+            ranking = self.llm_order(request.session_id)
+            order = [t for t in ranking if t not in failed] or ranking
             for target in order:
                 attempt = request
                 if said:
