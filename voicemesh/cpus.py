@@ -8,7 +8,11 @@ decoding on, the TTS synthesizing later chunks). So the split gives:
   a core;
 - the LLM every core for the prefill (time to first token, urgent) and half of them for the decode, which only has
   to stay ahead of playout;
-- the TTS half the cores per synthesis, so a first chunk does not fight a decode on all of them.
+- the TTS half the cores per synthesis, so a later chunk does not fight a decode on all of them; and every core
+  for a reply's first chunk, which its listener waits for, while the LLM's decode of that reply steps aside
+  (FIRST_CHUNK_YIELD_MS). Each alone is slower: on 2 cores (`python -m bench.pipeline`, mode c, 8 turns each),
+  TTS first audio p50 was 34 ms with both, 52 with neither, 60 with 2 TTS threads and no yield, 50 with the yield
+  on 1 TTS thread.
 
 Measured on 2 cores (`voicemesh loadtest`, a fresh local mesh per run, 3 turns, two rounds, interleaved), against
 the services' own defaults (LLM decode and TTS at 2 threads each, so 6 threads could be busy on 2 cores):
@@ -37,6 +41,9 @@ NICE = range(0, 20)
 """Nice values a background thread may take (0: same priority as the rest)."""
 
 MAX_ASR_WORKERS = 4
+FIRST_CHUNK_YIELD_MS = 50
+"""How long the LLM's decode of a reply pauses once its first words are out, for the TTS to synthesize them on
+every core: Piper's 2-3 word first chunk takes 28-40 ms on 2 cores of their own."""
 
 
 def available_cpus() -> int:
@@ -48,7 +55,8 @@ def available_cpus() -> int:
 
 
 def thread_split(cpus: int) -> dict[str, int]:
-    """Each engine's threads for a mesh with `cpus` cores, by the `VOICEMESH_*` variable that sets them."""
+    """Each engine's threads for a mesh with `cpus` cores, by the `VOICEMESH_*` variable that sets them; and the
+    LLM's pause for the TTS's first chunk (VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS, ms), which only a shared box needs."""
     if cpus < 1:
         raise ValueError(f"cpus={cpus}: a mesh needs at least one core")
     half = max(1, cpus // 2)
@@ -57,7 +65,9 @@ def thread_split(cpus: int) -> dict[str, int]:
         "VOICEMESH_ASR_CPU_THREADS": 1,
         "VOICEMESH_LLM_N_THREADS_BATCH": cpus,
         "VOICEMESH_LLM_N_THREADS": half,
+        "VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS": FIRST_CHUNK_YIELD_MS,
         "VOICEMESH_TTS_INTRA_OP_THREADS": half,
+        "VOICEMESH_TTS_FIRST_CHUNK_THREADS": cpus,
     }
 
 

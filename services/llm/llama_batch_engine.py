@@ -26,6 +26,7 @@ from services.llm.llama_cpp_engine import (
     KEEPALIVE_S,
     MIN_AHEAD_S,
     Playout,
+    check_first_chunk_yield,
     common_prefix,
     end_tokens,
     past_urgent,
@@ -130,6 +131,7 @@ class LlamaBatchEngine:
         prioritize: bool = True,
         continuation_due_s: float = CONTINUATION_DUE_S,
         max_ahead_s: float = 0.0,
+        first_chunk_yield_s: float = 0.0,
     ) -> None:
         if continuation_due_s <= 0:
             raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")
@@ -137,6 +139,7 @@ class LlamaBatchEngine:
             raise ValueError(
                 f"max_ahead_s={max_ahead_s:g} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
             )
+        check_first_chunk_yield(first_chunk_yield_s)
         if not 1 <= max_batch <= 64:
             raise ValueError(f"max_batch={max_batch} out of range; use 1-64")
         self.model_path = model_path
@@ -149,6 +152,9 @@ class LlamaBatchEngine:
         self.prioritize = prioritize
         self.continuation_due_s = continuation_due_s
         self.max_ahead_s = max_ahead_s
+        # Once a reply's urgent words are out, it sits out the steps of this long: the TTS synthesizing them shares
+        # the cores (other replies' steps go on).
+        self.first_chunk_yield_s = first_chunk_yield_s
         self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
@@ -402,12 +408,12 @@ class LlamaBatchEngine:
         (`max_ahead_s`), no call: the seconds until the first of them needs its next words."""
         now = time.monotonic()
         due_s = self.continuation_due_s if self.prioritize else None
-        plan = plan_step(self._active, now, due_s, max_ahead_s=self.max_ahead_s)
+        plan = plan_step(self._active, now, due_s, max_ahead_s=self.max_ahead_s, yield_s=self.first_chunk_yield_s)
         self.sat_out += len(self._active) - len(plan)
         if not plan:
             if not self._active:
                 return None
-            return max(0.001, min(r.playout.runs_dry(r.text) - now for r in self._active) - self.max_ahead_s)
+            return max(0.001, min(ready_at(r, self.first_chunk_yield_s, self.max_ahead_s) for r in self._active) - now)
         rows: list[tuple[int, int, int, bool]] = []
         taken: list[tuple[_Reply, int, int]] = []  # reply, its first row, its row count
         for reply, count in plan:
@@ -526,26 +532,36 @@ def plan_step(
     due_s: float | None = CONTINUATION_DUE_S,
     budget: int = N_BATCH,
     max_ahead_s: float = 0.0,
+    yield_s: float = 0.0,
 ) -> list[tuple[_Reply, int]]:
     """Which replies go into the next step, and how many of their pending tokens: urgent ones first, in arrival
     order, up to `budget` tokens. A reply past its first words sits out a step that carries urgent work unless its
-    audio would run dry within `due_s` (None: it never sits out), and every step while its audio runs more than
-    `max_ahead_s` ahead of its listener (0: no limit)."""
+    audio would run dry within `due_s` (None: it never sits out), and every step until it is `ready_at`."""
     urgent = any(reply.urgent for reply in replies)
     plan: list[tuple[_Reply, int]] = []
     for reply in sorted(replies, key=lambda r: (not r.urgent, r.enqueued_ns)):
         if budget == 0:
             break
         if not reply.urgent:
-            left_s = reply.playout.runs_dry(reply.text) - now
-            if max_ahead_s and left_s > max_ahead_s:
-                continue  # flow control: far enough ahead of its listener
-            if due_s is not None and urgent and left_s > due_s:
+            if ready_at(reply, yield_s, max_ahead_s) > now:
+                continue
+            if due_s is not None and urgent and reply.playout.runs_dry(reply.text) - now > due_s:
                 continue
         count = min(budget, len(reply.pending))
         plan.append((reply, count))
         budget -= count
     return plan
+
+
+def ready_at(reply: _Reply, yield_s: float, max_ahead_s: float) -> float:
+    """When a reply past its first words may decode again (time.monotonic): `yield_s` after they went out (the TTS
+    synthesizes them meanwhile), and while its audio runs more than `max_ahead_s` ahead of its listener (flow
+    control; 0: no limit), once it no longer does."""
+    assert reply.playout.started is not None
+    at = reply.playout.started + yield_s
+    if max_ahead_s:
+        at = max(at, reply.playout.runs_dry(reply.text) - max_ahead_s)
+    return at
 
 
 def sample(logits: np.ndarray, recent: list[int], temperature: float, top_p: float, rng: np.random.Generator) -> int:

@@ -45,6 +45,16 @@ SWAP_S = 0.25
 # the cores serve other sessions' urgent work.
 RESUME_AT = 0.5
 MIN_AHEAD_S = 2 * REFILL_S  # it resumes at RESUME_AT of max_ahead_s, which must still be >= REFILL_S
+# How long a reply may step aside once its urgent words are out (`first_chunk_yield_s`): the TTS's first chunk
+# takes 30-50 ms; a pause near a second would eat into the next chunk's REFILL_S.
+MAX_FIRST_CHUNK_YIELD_S = 0.5
+
+
+def check_first_chunk_yield(seconds: float) -> None:
+    if not 0 <= seconds <= MAX_FIRST_CHUNK_YIELD_S:
+        raise ValueError(
+            f"first_chunk_yield_ms={seconds * 1000:g} out of range; use 0-{MAX_FIRST_CHUNK_YIELD_S * 1000:g}"
+        )
 
 
 def speech_s(text: str) -> float:
@@ -173,12 +183,17 @@ class LlamaCppEngine:
         prompt: CompletionPrompt | None = None,
         yield_to_new_turns: bool = True,
         max_ahead_s: float = 0.0,
+        first_chunk_yield_s: float = 0.0,
     ) -> None:
         if max_ahead_s and max_ahead_s < MIN_AHEAD_S:
             raise ValueError(
                 f"max_ahead_s={max_ahead_s} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
             )
+        check_first_chunk_yield(first_chunk_yield_s)
         self.model_path = model_path
+        # Once a reply's urgent words are out, its decode pauses this long: the TTS synthesizing them shares the cores.
+        self.first_chunk_yield_s = first_chunk_yield_s
+        self.stepped_aside = 0  # replies that paused for their first chunk's synthesis
         # Calls are served earliest deadline first. A new call is due soon after it arrives: its listener waits.
         # A reply past its urgent words (those its listener waits for: the TTS's first chunk) only has to stay
         # ahead of its playout, so its deadline is when its audio would run dry (less REFILL_S); between two tokens
@@ -403,8 +418,6 @@ class LlamaCppEngine:
             for part in stream:
                 if cancel.is_set():
                     break
-                if playout.started is None and past_urgent(said, request.urgent_words):
-                    playout.started = time.monotonic()
                 ahead = bool(self.max_ahead_s) and playout.ahead_s(said) > self.max_ahead_s
                 if playout.started is not None and (
                     ahead or (self.yield_to_new_turns and self._earliest_waiting < playout.deadline(said) - SWAP_S)
@@ -428,6 +441,11 @@ class LlamaCppEngine:
                         first = False
                     finish = choice.get("finish_reason") or finish
                     put(chunk)
+                    if playout.started is None and past_urgent(said, request.urgent_words):
+                        playout.started = time.monotonic()
+                        if self.first_chunk_yield_s and not finish:
+                            self.stepped_aside += 1
+                            cancel.wait(self.first_chunk_yield_s)  # the cores are the TTS's first chunk's
         finally:
             stream.close()
         if cancel.is_set():

@@ -44,6 +44,7 @@ class Synthesizer(Protocol):
 
     capabilities: SynthesizerCapabilities
 
-    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
-        """Audio for `text` in `voice` ("" = the default): float32 mono at the voice's rate, piece by piece."""
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
+        """Audio for `text` in `voice` ("" = the default): float32 mono at the voice's rate, piece by piece.
+        `urgent`: a listener waits for it (a reply's first chunk); an engine may give it more cores."""
         ...

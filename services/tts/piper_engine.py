@@ -22,10 +22,18 @@ def default_voice_path() -> Path:
 
 
 class PiperEngine:
-    """Loaded Piper voices, named after their files. Thread-safe: onnxruntime sessions allow concurrent `run`."""
+    """Loaded Piper voices, named after their files. Thread-safe: onnxruntime sessions allow concurrent `run`.
 
-    def __init__(self, voice_paths: Sequence[Path] = (), intra_op_threads: int = 2) -> None:
+    `urgent_threads` (0: `intra_op_threads`): threads for urgent text (a reply's first chunk, which its listener
+    waits for), in a second onnxruntime session of each voice (~70 MB more); onnxruntime fixes a session's threads
+    when it builds it. On a 2-core box with the LLM stepping aside meanwhile, a 2-word first chunk took 28 ms on 2
+    threads against 48 ms on 1; later chunks keep `intra_op_threads`, leaving the LLM's decode its share."""
+
+    def __init__(self, voice_paths: Sequence[Path] = (), intra_op_threads: int = 2, urgent_threads: int = 0) -> None:
+        if urgent_threads < 0:
+            raise ValueError(f"first_chunk_threads={urgent_threads} out of range; use 0 (as intra_op_threads) or more")
         self._voices: dict[str, PiperVoice] = {}
+        self._urgent: dict[str, PiperVoice] = {}
         voices = []
         for path in voice_paths or [default_voice_path()]:
             voice = _load(path, intra_op_threads)
@@ -33,13 +41,20 @@ class PiperEngine:
             if name in self._voices:
                 raise ValueError(f"two voices are called {name!r}; rename one of the .onnx files")
             self._voices[name] = voice
+            self._urgent[name] = _load(path, urgent_threads) if urgent_threads not in (0, intra_op_threads) else voice
             voices.append(Voice(name, voice.config.sample_rate, voice.config.espeak_voice))
         self.capabilities = SynthesizerCapabilities(voices=tuple(voices))
 
-    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
         """Audio for `text`, one float32 array per sentence (Piper's own streaming unit)."""
-        for chunk in self._voices[self.capabilities.voice(voice).name].synthesize(text):
+        voices = self._urgent if urgent else self._voices
+        for chunk in voices[self.capabilities.voice(voice).name].synthesize(text):
             yield chunk.audio_float_array
+
+    def threads(self, urgent: bool = False) -> int:
+        """The onnxruntime threads that synthesize urgent text, or the rest."""
+        voice = next(iter((self._urgent if urgent else self._voices).values()))
+        return int(voice.session.get_session_options().intra_op_num_threads)
 
 
 def _load(path: Path, intra_op_threads: int) -> PiperVoice:

@@ -69,6 +69,12 @@ class TtsSettings(config.ServerSettings):
     intra_op_threads: int = config.setting(
         2, "onnxruntime threads per synthesis; 2 = this machine's cores (Piper's default would take all)"
     )
+    first_chunk_threads: int = config.setting(
+        0,
+        "onnxruntime threads for a reply's first chunk, which its listener waits for (a second session of each "
+        "voice); 0 = intra_op_threads. A local mesh gives it every core, the LLM stepping aside meanwhile "
+        "(VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS): on 2 cores TTS first audio p50 52 -> 34 ms (python -m bench.pipeline)",
+    )
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "syntheses run at once; chunks beyond that queue")
     schedule_by_deadline: bool = config.setting(
@@ -280,7 +286,7 @@ class SynthesisStream:
             deadline_ms = submitted_ns / 1e6
             if utterance is not None and self.by_deadline:
                 deadline_ms = utterance.deadline_ms(ready_ns)
-            first = self.trim_lead_in and utterance is not None and utterance.chunks == 0
+            first = utterance is not None and utterance.chunks == 0
             timed = await self._pool.run(self._render, chunk, first, priority=round(deadline_ms))
             if uid in self._cancelled or utterance is None:
                 continue
@@ -320,12 +326,12 @@ class SynthesisStream:
             utterance.chunks += 1
             utterance.audio_ms += len(frames) * FRAME_MS
 
-    def _render(self, text: str, from_first_sound: bool = False) -> list[bytes]:
-        """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence);
-        `from_first_sound`: without the near-silence before the first sound."""
-        pieces = list(self._engine.synthesize(text, self.voice.name))
+    def _render(self, text: str, first: bool = False) -> list[bytes]:
+        """Synthesize and cut into 20 ms frames at the requested rate (the tail padded with silence). A reply's
+        `first` chunk is urgent, and with `trim_lead_in` starts at its first sound."""
+        pieces = list(self._engine.synthesize(text, self.voice.name, urgent=first))
         audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-        if from_first_sound:
+        if first and self.trim_lead_in:
             audio = from_first_sound_of(audio, self.voice.sample_rate_hz)
         audio = resample(audio, self.voice.sample_rate_hz, self.rate_hz)
         framer = Framer(self.rate_hz)
@@ -386,9 +392,12 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
 
     def load(self) -> None:
         paths = [Path(path.strip()) for path in self.settings.voice_path.split(",") if path.strip()]
-        engine = PiperEngine(paths, intra_op_threads=self.settings.intra_op_threads)
+        engine = PiperEngine(
+            paths, intra_op_threads=self.settings.intra_op_threads, urgent_threads=self.settings.first_chunk_threads
+        )
         for voice in engine.capabilities.voices:
-            list(engine.synthesize("Ready.", voice.name))  # warm-up
+            for urgent in (False, True):
+                list(engine.synthesize("Ready.", voice.name, urgent=urgent))  # warm-up
         self.engine = engine
         log.info("voices loaded", extra={"voices": [voice.name for voice in engine.capabilities.voices]})
 

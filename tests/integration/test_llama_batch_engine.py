@@ -13,13 +13,14 @@ import pytest_asyncio
 
 from services.llm.engine import GenerationChunk, GenerationRequest, Message
 from services.llm.llama_batch_engine import LlamaBatchEngine, SavedSequence
-from services.llm.llama_cpp_engine import MIN_AHEAD_S, default_model_path, speech_s
+from services.llm.llama_cpp_engine import MIN_AHEAD_S, default_model_path, past_urgent, speech_s
 
 pytestmark = pytest.mark.integration
 
 MAX_BATCH = 3
 LONG = "Say the alphabet."
 LONG_START = "A, B, C, D, E,"  # a reply of ~45 tokens, once begun
+YIELD_S = 0.3  # far longer than a step, so the pause stands out
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -29,6 +30,7 @@ async def engines():
         "urgent_first": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, continuation_due_s=0.5),
         "every_step": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, prioritize=False),
         "paced": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, max_ahead_s=MIN_AHEAD_S),
+        "stepping_aside": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, first_chunk_yield_s=YIELD_S),
     }
     for engine in engines.values():
         await engine.start()
@@ -172,6 +174,21 @@ async def test_flow_control_keeps_a_reply_within_max_ahead_s_of_its_listener_and
     assert said == alone, "held back, it says exactly what it says unpaced"
     assert speech_s(said) > MIN_AHEAD_S + 1.0, "a reply long enough to be held back"
     assert paced.sat_out > sat_out
+
+
+async def test_once_its_urgent_words_are_out_a_reply_steps_aside_for_the_tts_and_then_says_the_same(engines) -> None:
+    request = GenerationRequest("dog", [Message("user", "Tell me about dogs.")], max_tokens=24, urgent_words=2)
+    alone = _text([chunk async for chunk in engines["every_step"].generate(request)])
+    said, arrivals = "", []
+    async for chunk in engines["stepping_aside"].generate(request):
+        if chunk.text:
+            said += chunk.text
+            arrivals.append((past_urgent(said, 2), time.monotonic()))
+    assert said == alone, "the pause changes when, not what"
+    out = next(index for index, (past, _) in enumerate(arrivals) if past)
+    assert out + 1 < len(arrivals), "words came after the urgent ones"
+    assert arrivals[out + 1][1] - arrivals[out][1] >= YIELD_S, "the next words waited out the TTS's first chunk"
+    assert all(b[1] - a[1] < YIELD_S for a, b in zip(arrivals[out + 1 :], arrivals[out + 2 :], strict=False))
 
 
 async def test_every_llama_cpp_computation_runs_on_the_engine_thread(monkeypatch) -> None:

@@ -11,13 +11,14 @@ import pytest
 import pytest_asyncio
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_cpp_engine import MIN_AHEAD_S, LlamaCppEngine, default_model_path, speech_s
+from services.llm.llama_cpp_engine import MIN_AHEAD_S, LlamaCppEngine, default_model_path, past_urgent, speech_s
 
 pytestmark = pytest.mark.integration
 
 # A reply of ~45 tokens (the embedded model's persona keeps its own replies short): the alphabet, once begun.
 LONG = "Say the alphabet."
 LONG_START = "A, B, C, D, E,"
+YIELD_S = 0.3  # far longer than a token, so the pause stands out
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -26,6 +27,7 @@ async def engines():
         "yielding": LlamaCppEngine(default_model_path()),
         "first_come": LlamaCppEngine(default_model_path(), yield_to_new_turns=False),
         "paced": LlamaCppEngine(default_model_path(), max_ahead_s=MIN_AHEAD_S),
+        "stepping_aside": LlamaCppEngine(default_model_path(), first_chunk_yield_s=YIELD_S),
     }
     for engine in engines.values():
         await engine.start()
@@ -95,6 +97,23 @@ async def test_a_reply_decodes_no_further_ahead_of_its_playout_than_max_ahead_s_
     assert paced.held_back >= 1
     # It streamed at most max_ahead_s (and one token) ahead of a listener who started once its urgent words were out.
     assert end_at - first_at >= speech_s(text) - MIN_AHEAD_S - 0.5
+
+
+async def test_once_its_urgent_words_are_out_a_reply_steps_aside_for_the_tts_and_then_says_the_same(engines) -> None:
+    request = GenerationRequest("dog", [Message("user", "Tell me about dogs.")], max_tokens=24, urgent_words=2)
+    alone = "".join([chunk.text async for chunk in engines["first_come"].generate(request)])
+    engine = engines["stepping_aside"]
+    stepped_aside = engine.stepped_aside
+    said, arrivals = "", []
+    async for chunk in engine.generate(request):
+        if chunk.text:
+            said += chunk.text
+            arrivals.append((past_urgent(said, 2), time.monotonic()))
+    assert said == alone, "the pause changes when, not what"
+    assert engine.stepped_aside == stepped_aside + 1, "once per reply"
+    out = next(index for index, (past, _) in enumerate(arrivals) if past)
+    assert out + 1 < len(arrivals), "words came after the urgent ones"
+    assert arrivals[out + 1][1] - arrivals[out][1] >= YIELD_S, "the next words waited out the TTS's first chunk"
 
 
 async def test_each_slot_computes_on_one_thread_of_its_own(monkeypatch) -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from voicemesh.cpus import background, budget_env, lower_this_thread, thread_nice, thread_split
+from voicemesh.cpus import FIRST_CHUNK_YIELD_MS, background, budget_env, lower_this_thread, thread_nice, thread_split
 from voicemesh.mesh import Mesh
 from voicemesh.workers import WorkerPool
 
@@ -17,11 +17,13 @@ from voicemesh.workers import WorkerPool
 @pytest.mark.parametrize("cpus", [1, 2, 3, 4, 8, 64])
 def test_no_engine_asks_for_more_cores_than_the_mesh_has(cpus: int) -> None:
     split = thread_split(cpus)
+    assert split.pop("VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS") == FIRST_CHUNK_YIELD_MS, "a pause, not a thread count"
     assert all(1 <= threads <= cpus for threads in split.values()), split
     assert split["VOICEMESH_LLM_N_THREADS_BATCH"] == cpus, "the prefill (time to first token) gets every core"
     # The decode and the TTS run beside another session's urgent work: together they take at most the cores.
     assert split["VOICEMESH_LLM_N_THREADS"] + split["VOICEMESH_TTS_INTRA_OP_THREADS"] <= max(2, cpus)
     assert split["VOICEMESH_ASR_CPU_THREADS"] == 1
+    assert split["VOICEMESH_TTS_FIRST_CHUNK_THREADS"] == cpus, "a reply's first chunk (urgent) gets every core"
 
 
 def test_two_cores_get_the_split_measured_best_there() -> None:
@@ -30,7 +32,9 @@ def test_two_cores_get_the_split_measured_best_there() -> None:
         "VOICEMESH_ASR_CPU_THREADS": 1,
         "VOICEMESH_LLM_N_THREADS_BATCH": 2,
         "VOICEMESH_LLM_N_THREADS": 1,
+        "VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS": 50,
         "VOICEMESH_TTS_INTRA_OP_THREADS": 1,
+        "VOICEMESH_TTS_FIRST_CHUNK_THREADS": 2,
     }
 
 
@@ -43,7 +47,7 @@ def test_the_operators_own_setting_wins_over_the_budget() -> None:
     env = budget_env(4, {"VOICEMESH_LLM_N_THREADS": "3"})
     assert "VOICEMESH_LLM_N_THREADS" not in env["llm"]
     assert env["llm"]["VOICEMESH_LLM_N_THREADS_BATCH"] == "4"
-    assert env["tts"] == {"VOICEMESH_TTS_INTRA_OP_THREADS": "2"}
+    assert env["tts"] == {"VOICEMESH_TTS_INTRA_OP_THREADS": "2", "VOICEMESH_TTS_FIRST_CHUNK_THREADS": "4"}
     assert env["asr"] == {"VOICEMESH_ASR_WORKERS": "4", "VOICEMESH_ASR_CPU_THREADS": "1"}
 
 
@@ -59,8 +63,12 @@ def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.Mon
     monkeypatch.setattr(Mesh, "_spawn", spawn)
     mesh = Mesh()
     mesh.start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
-    assert started["llm"] == {"VOICEMESH_LLM_N_THREADS_BATCH": "2", "VOICEMESH_LLM_N_THREADS": "1"}
-    assert started["tts"] == {"VOICEMESH_TTS_INTRA_OP_THREADS": "1"}
+    assert started["llm"] == {
+        "VOICEMESH_LLM_N_THREADS_BATCH": "2",
+        "VOICEMESH_LLM_N_THREADS": "1",
+        "VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS": "50",
+    }
+    assert started["tts"] == {"VOICEMESH_TTS_INTRA_OP_THREADS": "1", "VOICEMESH_TTS_FIRST_CHUNK_THREADS": "2"}
     assert started["asr"] == {"VOICEMESH_ASR_WORKERS": "2", "VOICEMESH_ASR_CPU_THREADS": "1"}
     assert started["gateway"] == {}
 

@@ -72,7 +72,7 @@ class FakeToneSynthesizer:
 
     capabilities = SynthesizerCapabilities(voices=(Voice("low", 16000, "en_US"), Voice("high", 22050, "en_GB")))
 
-    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
         chosen = self.capabilities.voice(voice)
         pitch_hz = 200.0 if chosen.name == "low" else 400.0
         for _word in text.split():
@@ -124,10 +124,10 @@ async def test_each_voice_is_resampled_from_its_own_rate_to_the_rate_asked_for()
 class FakeLeadInSynthesizer(FakeToneSynthesizer):
     """As Piper: each piece starts with 60 ms of near-silence (-80 dBFS noise) before its 100 ms of tone."""
 
-    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
         rate_hz = self.capabilities.voice(voice).sample_rate_hz
         hush = 1e-4 * np.random.default_rng(0).standard_normal(rate_hz * 60 // 1000)
-        for tone in super().synthesize(text, voice):
+        for tone in super().synthesize(text, voice, urgent):
             yield np.concatenate([hush, tone]).astype(np.float32)
 
 
@@ -156,6 +156,27 @@ async def test_a_replys_first_chunk_starts_at_its_first_sound_and_later_chunks_k
     assert level_dbfs(second[0]) < -60 and len(second) * 20 == 160, "a later chunk keeps its pause before it"
 
 
+class FakeUrgencyRecordingSynthesizer(FakeToneSynthesizer):
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
+        self.calls.append((text.strip(), urgent))
+        return super().synthesize(text, voice, urgent)
+
+
+@pytest.mark.parametrize("trim", [True, False])
+async def test_only_a_replys_first_chunk_is_synthesized_as_urgent(trim: bool) -> None:
+    engine = FakeUrgencyRecordingSynthesizer()
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    stream = SynthesisStream(
+        config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"), trim_lead_in=trim
+    )
+    await spoken(stream, "one ", "two ", "three four five six. ")
+    assert engine.calls[0] == ("one", True), "its listener waits for it: every core"
+    assert len(engine.calls) > 1 and not any(urgent for _, urgent in engine.calls[1:])
+
+
 def test_a_chunk_without_any_sound_is_kept_whole() -> None:
     hush = np.full(1600, 1e-4, dtype=np.float32)
     assert from_first_sound_of(hush, 16000) is hush
@@ -176,7 +197,7 @@ def test_limits_are_one_definition_with_one_message() -> None:
 
 
 class FakeBrokenSynthesizer(FakeToneSynthesizer):
-    def synthesize(self, text: str, voice: str = "") -> Iterator[np.ndarray]:
+    def synthesize(self, text: str, voice: str = "", urgent: bool = False) -> Iterator[np.ndarray]:
         raise RuntimeError("voice model exploded")
 
 
@@ -279,3 +300,16 @@ async def test_without_deadlines_chunks_are_synthesized_in_the_order_they_are_re
     assert len(pool.priorities) == 4
     assert pool.priorities == sorted(pool.priorities), "each chunk's priority is when it was handed to the pool"
     assert all(before_ms - 1 <= priority <= time.monotonic_ns() / 1e6 for priority in pool.priorities)
+
+
+def test_piper_speaks_urgent_text_on_a_session_with_threads_of_its_own() -> None:
+    from services.tts.piper_engine import PiperEngine
+
+    engine = PiperEngine(intra_op_threads=1, urgent_threads=2)
+    assert (engine.threads(), engine.threads(urgent=True)) == (1, 2)
+    for urgent in (False, True):
+        audio = np.concatenate(list(engine.synthesize("That is", urgent=urgent)))
+        assert len(audio) > 0.2 * engine.capabilities.voices[0].sample_rate_hz and np.abs(audio).max() > 0.05
+    assert PiperEngine(intra_op_threads=1).threads(urgent=True) == 1, "0: one session for all text"
+    with pytest.raises(ValueError, match="first_chunk_threads=-1 out of range"):
+        PiperEngine(intra_op_threads=1, urgent_threads=-1)

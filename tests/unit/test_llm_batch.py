@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, sample
+from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, ready_at, sample
 from services.llm.llama_cpp_engine import Playout
 from services.llm.server import LlmSettings, build_engine
 
@@ -102,6 +102,22 @@ async def test_flow_control_holds_a_reply_far_enough_ahead_of_its_listener_even_
     assert plan_step([ahead, close], now, due_s=None) == [(ahead, 1), (close, 1)], "0: no limit"
 
 
+async def test_a_reply_whose_first_words_just_went_out_steps_aside_while_the_tts_synthesizes_them() -> None:
+    loop = asyncio.get_running_loop()
+    now = time.monotonic()
+    just_out = _reply(loop, prompt=120, pending=1, started=now - 0.01, said="That is a")
+    earlier = _reply(loop, prompt=120, pending=1, started=now - 0.2, said="x" * 30)
+    first_words = _reply(loop, prompt=120, pending=1, started=None, said="It")
+    plan = plan_step([just_out, earlier, first_words], now, due_s=None, yield_s=0.05)
+    assert plan == [(first_words, 1), (earlier, 1)], "the others' steps go on"
+    assert plan_step([just_out], now + 0.035, due_s=None, yield_s=0.05) == [], "alone, it still waits"
+    assert plan_step([just_out], now, due_s=None, yield_s=0.0) == [(just_out, 1)], "0: no pause"
+    assert plan_step([just_out], now + 0.041, due_s=None, yield_s=0.05) == [(just_out, 1)], "then it goes on"
+    assert ready_at(just_out, 0.05, 0.0) == pytest.approx(now + 0.04)
+    far = _reply(loop, prompt=120, pending=1, started=now, said="x" * 60)  # 4 s of speech streamed
+    assert ready_at(far, 0.05, 3.0) == pytest.approx(now + 1.0), "flow control, the later of the two"
+
+
 async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
     loop = asyncio.get_running_loop()
     big = _reply(loop, prompt=700, pending=700, started=None)
@@ -120,6 +136,8 @@ async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
         ({"continuation_due_s": 0.0}, "continuation_due_s=0 must be above 0"),
         ({"max_batch": 4, "slots": 2}, "leave slots at 1"),
         ({"max_batch": 4, "max_ahead_s": 1.0}, "max_ahead_s=1 leaves no time to refill"),
+        ({"first_chunk_yield_ms": -1.0}, "first_chunk_yield_ms=-1 out of range; use 0-500"),
+        ({"max_batch": 1, "first_chunk_yield_ms": 800.0}, "first_chunk_yield_ms=800 out of range; use 0-500"),
     ],
 )
 def test_a_bad_batch_setting_stops_the_server_with_a_reason(fields: dict[str, object], words: str) -> None:

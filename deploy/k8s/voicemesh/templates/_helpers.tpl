@@ -491,6 +491,9 @@ true
 {{- if gt $cpus 0 }}
 - name: {{ $prefix }}N_THREADS_BATCH
   value: {{ $cpus | quote }}
+{{- /* The TTS on the same node synthesizes a reply's first chunk on every core meanwhile (voicemesh/cpus.py). */}}
+- name: {{ $prefix }}FIRST_CHUNK_YIELD_MS
+  value: "50"
 {{- end }}
 - name: {{ $prefix }}MAX_BATCH
   value: {{ $c.maxBatch | quote }}
@@ -507,6 +510,10 @@ true
 {{- else if eq .component "tts" }}
 - name: {{ $prefix }}INTRA_OP_THREADS
   value: {{ ternary $half $c.intraOpThreads (gt $cpus 0) | quote }}
+{{- if gt $cpus 0 }}
+- name: {{ $prefix }}FIRST_CHUNK_THREADS
+  value: {{ $cpus | quote }}
+{{- end }}
 - name: {{ $prefix }}WORKERS
   value: {{ $c.workers | quote }}
 {{- if $modelPath }}
