@@ -4,7 +4,9 @@ The set, built from the real clips in ../shared/audio (word times from Whisper):
   complete   each clip as recorded;
   spliced    the clip with a pause of 200/400/600/800 ms spliced in at its middle word boundary;
   truncated  the clip cut at a word boundary ~60% of the way in: incomplete, it should wait;
-  variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR.
+  variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR;
+  hesitation the clip, then "um" (Piper's voice at the speaker's level) and a 600 ms pause, then the clip again: a
+             speaker who finished a sentence, hesitated and went on. A commit in the pause is a cut-off.
 Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream with the real
 Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. The `llm` policy plays the gateway's
 part too: each endpoint candidate starts a reply on the real Gemma engine, whose P(turn end) goes back to the
@@ -49,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
 SPLIT = {"spk1_snt1": "tune", "wizard": "tune", "jfk": "tune", "spk2_snt1": "check", "horizon": "check"}
 SPLICE_MS = (200, 400, 600, 800)
+HESITATION_PAUSE_MS = 600
+FILLER_TEXT = "Um..."
 LONG_PAUSE_CLIPS = {"jfk"}  # natural pauses of ~1.1 s inside the sentence
 TRAILING_S = 2.5
 FRAME_MS = 20
@@ -133,9 +137,22 @@ def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
     return float((loud[-1] + 1) * 10)
 
 
+def filler_audio() -> np.ndarray:
+    """A hesitation, "um", as Piper (en_US-joe-medium) says it, at 16 kHz from its first to its last sound."""
+    from services.tts.piper_engine import PiperEngine
+    from services.tts.server import from_first_sound_of
+
+    engine = PiperEngine(intra_op_threads=1)
+    rate_hz = engine.capabilities.voices[0].sample_rate_hz
+    audio = from_first_sound_of(np.concatenate(list(engine.synthesize(FILLER_TEXT))), rate_hz)
+    audio = resample(audio, rate_hz, 16000)
+    return audio[: int(speech_end_ms(audio, 16000) * 16)]
+
+
 def build_set(transcriber: WhisperTranscriber, clip_names: list[str]) -> list[Utterance]:
     rng = np.random.default_rng(7)
     utterances: list[Utterance] = []
+    filler = filler_audio()
     for name in clip_names:
         audio = read_wav(CLIPS / f"{name}.wav").to_rate(16000).samples
         end_ms = speech_end_ms(audio, 16000)
@@ -165,6 +182,14 @@ def build_set(transcriber: WhisperTranscriber, clip_names: list[str]) -> list[Ut
         speech_rms = float(np.sqrt(np.mean(audio[: int(end_ms * 16)] ** 2)))
         noisy = audio + (rng.standard_normal(len(audio)) * speech_rms * 10 ** (-15 / 20)).astype(np.float32)
         utterances.append(Utterance(f"{name}+noise", name, "noise15", noisy.astype(np.float32), 16000, end_ms))
+        said = audio[: int((end_ms + 30) * 16)]
+        um = (filler * speech_rms / float(np.sqrt(np.mean(filler**2)))).astype(np.float32)
+        tone = (rng.standard_normal(HESITATION_PAUSE_MS * 16) * noise_floor).astype(np.float32)
+        hesitant = np.concatenate([said, um, tone, audio])
+        went_on_ms = (len(said) + len(um) + len(tone)) / 16
+        utterances.append(
+            Utterance(f"{name}+um", name, "hesitation", hesitant, 16000, went_on_ms + end_ms, HESITATION_PAUSE_MS)
+        )
     return utterances
 
 
@@ -291,10 +316,11 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
             "max_ms": round(max(values), 1),
         }
 
-    whole = [o for o in outcomes if o.kind != "truncated"]
+    whole = [o for o in outcomes if o.kind not in ("truncated", "hesitation")]
     # jfk.wav pauses 1.1 s twice on its own: it belongs with the long pauses, not with "up to 600 ms".
     up_to_600 = [o for o in whole if o.clip not in LONG_PAUSE_CLIPS and (o.kind != "spliced" or o.pause_ms <= 600)]
     complete = [o for o in whole if o.kind != "spliced"]
+    hesitant = [o for o in outcomes if o.kind == "hesitation"]
     truncated = [o for o in outcomes if o.kind == "truncated"]
     summary: dict[str, object] = {
         "false_cutoffs_pauses_up_to_600ms": rate(up_to_600),
@@ -307,6 +333,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
             )
             for ms in SPLICE_MS
         },
+        "false_cutoffs_after_hesitation": rate(hesitant),
         "truncated_wait_ms": [round(a, 1) if (a := o.dead_air_ms) is not None else None for o in truncated],
         "missed": [o.utterance for o in whole if not o.finals],
     }

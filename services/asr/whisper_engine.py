@@ -178,15 +178,27 @@ def collapse_repetition(words: list[str]) -> list[str]:
     return words
 
 
+LOOPED_WORD = 4
+"""One word this many times at the end is Whisper looping, not speech ("no, no, no" is). Seen on an "um" before a
+pause, decoded with a prompt of hesitations: "...the small dog. Umm. Umm. Umm. Umm. Umm. Umm.", a line the LLM
+scored finished (P(turn end) 0.99, where "I would like to order a pizza, um." scored 0.11)."""
+
+
 def drop_repeated_tail(words: list[str]) -> list[str]:
     """Undo Whisper repeating the end of the utterance in the padding: "...before you go out before you go" ->
-    "...before you go out".
+    "...before you go out"; "...dog. Umm. Umm. Umm." -> "...dog. Umm.".
 
-    The last 2+ words are dropped when the same words stand just before them, at most two words earlier. Such a
-    repeat also makes the final differ from the endpoint candidate, which throws the speculative reply away.
+    The last 2+ words are dropped when the same words stand just before them, at most two words earlier; one word
+    looped LOOPED_WORD times or more is kept once. Such a repeat also makes the final differ from the endpoint
+    candidate, which throws the speculative reply away.
     """
     keys = [_norm(w) for w in words]
     n = len(keys)
+    looped = 1
+    while looped < n and keys[n - 1 - looped] == keys[-1]:
+        looped += 1
+    if looped >= LOOPED_WORD and keys[-1]:
+        return words[: n - looped + 1]
     for length in range(n // 2, 1, -1):
         tail = keys[n - length :]
         for gap in range(3):

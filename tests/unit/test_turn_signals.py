@@ -75,3 +75,6 @@ def test_whisper_repeating_the_end_of_the_utterance_is_undone() -> None:
     kept = "ask not what your country can do for you, ask what you can do for your country.".split()
     assert drop_repeated_tail(kept) == kept
     assert drop_repeated_tail("I said no no".split()) == "I said no no".split()  # one word twice is speech
+    assert drop_repeated_tail("I said no, no, no.".split()) == "I said no, no, no.".split()  # three times too
+    looped = "The child almost hurt the small dog. Umm. Umm. Umm. Umm. Umm. Umm.".split()
+    assert " ".join(drop_repeated_tail(looped)) == "The child almost hurt the small dog. Umm."
