@@ -136,14 +136,17 @@ def level_dbfs(frame: tts_pb2.SpeechFrame) -> float:
     return float(20 * np.log10(np.sqrt(np.mean(samples**2)) + 1e-12))
 
 
+def word_stream(engine: FakeToneSynthesizer, trim_lead_in: bool) -> SynthesisStream:
+    """A stream that synthesizes word by word (a one-word lookahead) at 16 kHz."""
+    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
+    return SynthesisStream(
+        config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"), trim_lead_in=trim_lead_in
+    )
+
+
 @pytest.mark.parametrize("trim", [True, False])
 async def test_a_replys_first_chunk_starts_at_its_first_sound_and_later_chunks_keep_their_pause(trim: bool) -> None:
-    engine = FakeLeadInSynthesizer()
-    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
-    stream = SynthesisStream(
-        config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"), trim_lead_in=trim
-    )
-    frames = await spoken(stream, "one ", "two ")
+    frames = await spoken(word_stream(FakeLeadInSynthesizer(), trim), "one ", "two ")
     first = [f for f in frames if f.chunk_index == 0]
     second = [f for f in frames if f.chunk_index == 1]
     assert first and second
@@ -168,11 +171,7 @@ class FakeUrgencyRecordingSynthesizer(FakeToneSynthesizer):
 @pytest.mark.parametrize("trim", [True, False])
 async def test_only_a_replys_first_chunk_is_synthesized_as_urgent(trim: bool) -> None:
     engine = FakeUrgencyRecordingSynthesizer()
-    config = tts_pb2.SynthesisConfig(session_id="s", sample_rate_hz=16000, lookahead_words=1, encoding=PCM16)
-    stream = SynthesisStream(
-        config, validate_synthesis(config, engine), engine, WorkerPool(1, "test-tts"), trim_lead_in=trim
-    )
-    await spoken(stream, "one ", "two ", "three four five six. ")
+    await spoken(word_stream(engine, trim), "one ", "two ", "three four five six. ")
     assert engine.calls[0] == ("one", True), "its listener waits for it: every core"
     assert len(engine.calls) > 1 and not any(urgent for _, urgent in engine.calls[1:])
 
