@@ -30,8 +30,7 @@ class PiperEngine:
     threads against 48 ms on 1; later chunks keep `intra_op_threads`, leaving the LLM's decode its share."""
 
     def __init__(self, voice_paths: Sequence[Path] = (), intra_op_threads: int = 2, urgent_threads: int = 0) -> None:
-        if urgent_threads < 0:
-            raise ValueError(f"first_chunk_threads={urgent_threads} out of range; use 0 (as intra_op_threads) or more")
+        check_threads(intra_op_threads, urgent_threads)
         self._voices: dict[str, PiperVoice] = {}
         self._urgent: dict[str, PiperVoice] = {}
         voices = []
@@ -55,6 +54,14 @@ class PiperEngine:
         """The onnxruntime threads that synthesize urgent text, or the rest."""
         voice = next(iter((self._urgent if urgent else self._voices).values()))
         return int(voice.session.get_session_options().intra_op_num_threads)
+
+
+def check_threads(intra_op_threads: int, urgent_threads: int) -> None:
+    """Refuse thread counts onnxruntime would misread (0 or less: every core), naming the setting."""
+    if intra_op_threads < 1:
+        raise ValueError(f"intra_op_threads={intra_op_threads} out of range; use 1 or more")
+    if urgent_threads < 0:
+        raise ValueError(f"first_chunk_threads={urgent_threads} out of range; use 0 (as intra_op_threads) or more")
 
 
 def _load(path: Path, intra_op_threads: int) -> PiperVoice:

@@ -17,7 +17,7 @@ from opentelemetry.trace import Span
 
 from services.tts.chunking import Chunker, Policy
 from services.tts.engine import Synthesizer, Voice
-from services.tts.piper_engine import PiperEngine
+from services.tts.piper_engine import PiperEngine, check_threads
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import StreamLimit
 from voicemesh.audio import FRAME_MS, Framer, float_to_pcm16, resample
@@ -456,6 +456,10 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
 
 
 def build_server(settings: TtsSettings) -> Server:
+    try:
+        check_threads(settings.intra_op_threads, settings.first_chunk_threads)
+    except ValueError as exc:  # said at start, not as a traceback once the voice loads
+        raise SystemExit(f"tts: {exc}") from exc
     servicer = SynthesizerServicer(settings)
 
     async def load() -> None:

@@ -8,6 +8,8 @@ tests/integration/test_asr_service.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import re
 import time
 from collections.abc import Iterator
 
@@ -312,3 +314,17 @@ def test_piper_speaks_urgent_text_on_a_session_with_threads_of_its_own() -> None
     assert PiperEngine(intra_op_threads=1).threads(urgent=True) == 1, "0: one session for all text"
     with pytest.raises(ValueError, match="first_chunk_threads=-1 out of range"):
         PiperEngine(intra_op_threads=1, urgent_threads=-1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"first_chunk_threads": -1}, "tts: first_chunk_threads=-1 out of range; use 0 (as intra_op_threads) or more"),
+        ({"intra_op_threads": 0}, "tts: intra_op_threads=0 out of range; use 1 or more"),
+    ],
+)
+def test_a_bad_thread_setting_stops_the_tts_at_start_with_a_reason(fields: dict[str, int], words: str) -> None:
+    from services.tts.server import TtsSettings, build_server
+
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        build_server(dataclasses.replace(TtsSettings(), **fields))
