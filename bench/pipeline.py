@@ -4,7 +4,8 @@
                 the whole reply, synthesize the whole reply, then send;
   (b) sentence: the same endpointing and ASR, but LLM deltas stream into TTS per sentence, audio streams out;
   (c) all on:   the gateway's defaults: final ASR pass on the trimmed window started at the first silence,
-                speculative start on the endpoint candidate, word chunking (k=2), streaming.
+                speculative start on the endpoint candidate, word chunking (k=2), streaming, and the LLM's prefill
+                of the partial transcripts' words while the user speaks (`c_no_prefill`: all of it but that).
 
 V2V per turn = first reply audio frame received by the client - send time of the clip's last speech frame. A
 clip the gateway cut into several turns (a pause inside it ended a turn: the fixed 200 ms hangover of (a) and (b)
@@ -38,6 +39,7 @@ NAIVE_ENDPOINTING = asr_pb2.EndpointingConfig(candidate_silence_ms=200, hangover
 MODES = {
     "a_naive": conversation_pb2.PipelineOptions(
         speculative_start=False,
+        prefill_partials=False,
         tts_chunking=tts_pb2.CHUNKING_POLICY_WHOLE,
         asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
         asr_final_at_silence=False,
@@ -46,12 +48,15 @@ MODES = {
     ),
     "b_sentence": conversation_pb2.PipelineOptions(
         speculative_start=False,
+        prefill_partials=False,
         tts_chunking=tts_pb2.CHUNKING_POLICY_SENTENCE,
         asr_decode_window=asr_pb2.DECODE_WINDOW_FULL,
         asr_final_at_silence=False,
         endpointing=NAIVE_ENDPOINTING,
     ),
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
+    # (c) without the LLM's prefill of partial transcripts (not in the default run).
+    "c_no_prefill": conversation_pb2.PipelineOptions(prefill_partials=False),
     # (c) with the old fixed 288 ms hangover instead of the completeness-scored one (not in the default run).
     "c_fixed_hangover": conversation_pb2.PipelineOptions(endpointing=asr_pb2.EndpointingConfig(fixed_hangover=True)),
 }

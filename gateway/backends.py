@@ -42,6 +42,7 @@ READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the 
 LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
 LLM_STALL_S = 1.0  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
 LLM_CALL_DEADLINE_S = 60.0
+LLM_PREFILL_DEADLINE_S = 2.0  # a prefill takes tens of ms; one much later is of no use to its turn
 SATURATED_RETRY_S = (
     0.25,
     1.0,
@@ -246,6 +247,15 @@ class Backends:
     # ---- the sticky LLM --------------------------------------------------------------------------------
     def llm_order(self, session_id: str) -> list[str]:
         return self.sets["llm"].sticky_order(session_id)
+
+    async def prefill(self, request: llm_pb2.PrefillRequest) -> llm_pb2.PrefillResponse:
+        """Load a session's dialogue into the cache of the replica its next Generate goes to first. No failover: a
+        failure only costs the reply the evaluation this would have saved it."""
+        ranking = self.llm_order(request.session_id)
+        if not ranking:
+            raise unavailable("no LLM replica is up")
+        call = llm_pb2_grpc.GeneratorStub(self.channel(ranking[0])).Prefill
+        return await call(request, metadata=self.metadata(), timeout=LLM_PREFILL_DEADLINE_S)
 
     async def generate(
         self,

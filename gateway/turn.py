@@ -33,6 +33,8 @@ class TurnPolicy:
 
     speculative_start: bool = True
     """Start the reply on the ASR endpoint candidate; it is heard only once the turn commits."""
+    prefill_partials: bool = True
+    """While the user speaks, load the dialogue with the words of each partial transcript into the LLM's cache."""
     barge_in: bool = True
     """User speech over the reply can interrupt it."""
     barge_in_min_speech_ms: int = 500
@@ -72,6 +74,14 @@ class StartReply:
     reply_id: int
     user_text: str
     speculative: bool
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Load the dialogue, with `user_text` as the user's words so far, into the LLM's cache: no reply, nobody hears
+    anything; the reply at the end of the turn then evaluates only the words after these."""
+
+    user_text: str
 
 
 @dataclass(frozen=True)
@@ -119,7 +129,7 @@ class EndTurn:
     reply_id: int
 
 
-Command = StartReply | CancelReply | CommitReply | PausePlayout | ResumePlayout | Interrupt | EndTurn
+Command = StartReply | Prefill | CancelReply | CommitReply | PausePlayout | ResumePlayout | Interrupt | EndTurn
 
 
 @dataclass
@@ -141,6 +151,7 @@ class TurnController:
     current: int | None = None  # the committed reply, until it ends
     _overlap: _Overlap | None = None
     _ids: int = 0
+    _prefilled_words: int = 0  # of the user's turn in progress
 
     # ---- ASR events ----------------------------------------------------------------------------------------
     def on_speech_started(self, now_ms: float) -> list[Command]:
@@ -154,7 +165,14 @@ class TurnController:
         return self.tick(now_ms)
 
     def on_partial(self, now_ms: float, text: str) -> list[Command]:
-        return self._overlap_words(now_ms, text) + self.tick(now_ms)
+        commands = self._overlap_words(now_ms, text) + self.tick(now_ms)
+        if self.policy.prefill_partials and self.current is None and self.speculative is None:
+            # Without its last word: the speaker may be in the middle of it, and Whisper's guess at it often changes.
+            stable = text.split()[:-1]
+            if len(stable) > self._prefilled_words and words_of(" ".join(stable)):
+                self._prefilled_words = len(stable)
+                commands.append(Prefill(" ".join(stable)))
+        return commands
 
     def on_candidate(self, now_ms: float, text: str) -> list[Command]:
         """A silence began and `text` is the transcript so far: start a reply to it, unheard for now."""
@@ -178,6 +196,7 @@ class TurnController:
 
     def on_final(self, now_ms: float, text: str) -> list[Command]:
         """The ASR committed the user's turn with `text`."""
+        self._prefilled_words = 0  # the next partials are of the next turn
         commands = self._overlap_words(now_ms, text)
         if self.current is not None:
             # Speech over a reply that did not interrupt it (a backchannel, a cough): not a turn. Its pause ends.

@@ -73,6 +73,20 @@ class Draining(RequestError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
+async def _abort(method: str, context: grpc.aio.ServicerContext[Any, Any], error: Exception) -> None:
+    """Answer a handler's failure: RequestError -> its status; anything else -> INTERNAL, logged."""
+    if isinstance(error, Draining):  # the server's own doing, not the caller's error: logged, not counted
+        log.info("drained", extra={"rpc": method, "reason": error.message})
+        await context.abort(error.code, error.message)
+    if isinstance(error, RequestError):
+        log.info("request refused", extra={"rpc": method, "code": error.code.name, "reason": error.message})
+        telemetry.ERRORS.labels(method, error.code.name).inc()
+        await context.abort(error.code, error.message)
+    log.error("call failed", exc_info=error, extra={"rpc": method})
+    telemetry.ERRORS.labels(method, "INTERNAL").inc()
+    await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the server; see its logs")
+
+
 def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
     """Wrap a streaming servicer method: RequestError -> its status; anything else -> INTERNAL, logged."""
 
@@ -81,21 +95,25 @@ def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
         try:
             async for item in method(self, request, context):
                 yield item
-        except Draining as exc:  # the server's own doing, not the caller's error: logged, not counted
-            log.info("drained", extra={"rpc": method.__name__, "reason": exc.message})
-            await context.abort(exc.code, exc.message)
-        except RequestError as exc:
-            log.info("request refused", extra={"rpc": method.__name__, "code": exc.code.name, "reason": exc.message})
-            telemetry.ERRORS.labels(method.__name__, exc.code.name).inc()
-            await context.abort(exc.code, exc.message)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except grpc.aio.AbortError:
+        except Exception as error:
+            await _abort(method.__name__, context, error)
+
+    return wrapper
+
+
+def unary_handler(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Wrap a unary servicer method as `stream_handler` does."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception:
-            log.exception("stream failed", extra={"rpc": method.__name__})
-            telemetry.ERRORS.labels(method.__name__, "INTERNAL").inc()
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method.__name__} failed inside the server; see its logs")
+        except Exception as error:
+            await _abort(method.__name__, context, error)
 
     return wrapper
 

@@ -74,6 +74,12 @@ TURN_SCORES = Counter(
     "End-of-turn completeness scores by outcome (in_time, late: the fixed hangover had applied, failed)",
     ["outcome"],
 )
+PREFILLS = Counter(
+    "voicemesh_llm_prefills_total",
+    "Prefills of a partial transcript by outcome (evaluated; nothing_new: all cached; busy: skipped, calls waiting; "
+    "failed: the gateway's call failed, the reply prefills it all)",
+    ["outcome"],
+)
 SPECULATIVE = Counter("voicemesh_speculative_starts_total", "Speculative reply starts by outcome", ["outcome"])
 ERRORS = Counter("voicemesh_errors_total", "Errors by stage and gRPC status", ["stage", "code"])
 QUEUE_WAIT = Histogram(

@@ -51,6 +51,16 @@ class GenerationChunk:
 
 
 @dataclass(frozen=True)
+class Prefilled:
+    """What a prefill did: the dialogue's tokens up to the user's last word, those already cached, those evaluated
+    now (0: nothing new, or skipped)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evaluated_tokens: int = 0
+
+
+@dataclass(frozen=True)
 class EngineCapabilities:
     max_concurrency: int = 1
     """Requests it generates at once; the server's admission queues the rest by it."""
@@ -59,6 +69,8 @@ class EngineCapabilities:
     yields_to_new_turns: bool = False
     """A reply past its urgent words gives its slot up to a new request between two tokens: a newcomer waits only
     for the urgent words of those ahead of it, not for whole replies."""
+    prefills: bool = False
+    """Answers `prefill` by loading the dialogue into a cache of its own; otherwise `prefill` does nothing."""
 
 
 class Engine(Protocol):
@@ -72,6 +84,11 @@ class Engine(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         """Stream the reply to `request`."""
+
+    async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
+        """Load `messages` up to the last word of the last (user) message into the session's cache, so that its next
+        `generate` evaluates only what is new. Best effort: skipped at once (nothing evaluated) when every slot is
+        busy; a `generate` of the same session that comes meanwhile ends it."""
 
     @property
     def waiting(self) -> int:

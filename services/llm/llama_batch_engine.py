@@ -20,11 +20,12 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp._utils import suppress_stdout_stderr
 
-from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
 from services.llm.llama_cpp_engine import (
     CLOSE_WAIT_S,
     KEEPALIVE_S,
     MIN_AHEAD_S,
+    PREFILL_STEP_TOKENS,
     Playout,
     check_first_chunk_yield,
     common_prefix,
@@ -77,6 +78,7 @@ class _Reply:
     first_text: bool = True
     playout: Playout = field(default_factory=Playout)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    prefill: bool = False  # only the prompt into the cache (Engine.prefill): no reply, nobody waits on it
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("ignore"))
 
     def put(self, item: GenerationChunk | BaseException | None) -> None:
@@ -84,8 +86,8 @@ class _Reply:
 
     @property
     def urgent(self) -> bool:
-        """Its listener is waiting: the prompt is not in, or the first words are not out."""
-        return self.position < len(self.prompt) or self.playout.started is None
+        """Its listener is waiting: the prompt is not in, or the first words are not out. Never a prefill's."""
+        return not self.prefill and (self.position < len(self.prompt) or self.playout.started is None)
 
 
 @dataclass
@@ -155,7 +157,7 @@ class LlamaBatchEngine:
         # Once a reply's urgent words are out, it sits out the steps of this long: the TTS synthesizing them shares
         # the cores (other replies' steps go on).
         self.first_chunk_yield_s = first_chunk_yield_s
-        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
+        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True, prefills=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
         self._threads = n_threads_batch
@@ -287,6 +289,35 @@ class LlamaBatchEngine:
             with self._lock:
                 self._lock.notify()
 
+    async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
+        text = self.prompt.prefill_text(messages)
+        if text is None:
+            return Prefilled()
+        prompt = self._tokenize(text)
+        if len(prompt) > self.n_ctx - 8:
+            raise ValueError(f"prompt has {len(prompt)} tokens; at most {self.n_ctx - 8} fit")
+        reply = _Reply(
+            GenerationRequest(session_id, messages), prompt, None, (), asyncio.get_running_loop(), asyncio.Queue()
+        )
+        reply.prefill = True
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the engine is closing")
+            busy = [*self._waiting, *self._active]
+            if len(busy) >= self.max_batch or any(r.request.session_id == session_id for r in busy):
+                return Prefilled(len(prompt))  # best effort: never a wait, never in a reply's way
+            self._waiting.append(reply)
+            self._lock.notify()
+        try:
+            while (item := await reply.chunks.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+        finally:
+            reply.cancelled = True
+            with self._lock:
+                self._lock.notify()
+        return Prefilled(len(prompt), reply.cached, reply.position - reply.cached)
+
     # ---- the engine thread -----------------------------------------------------------------------------
     def _run(self, loaded: concurrent.futures.Future[None]) -> None:
         # Every llama.cpp computation of the engine runs on this one thread, its warm-up included. llama.cpp's CPU
@@ -335,6 +366,13 @@ class LlamaBatchEngine:
         for reply in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(reply)
             reply.put(None)
+        # A reply ends its session's prefill: what that evaluated stays in the sequence, which the reply then takes.
+        replying = {r.request.session_id for r in [*self._waiting, *self._active] if not r.prefill}
+        for reply in [r for r in self._active if r.prefill and r.request.session_id in replying]:
+            self._end_prefill(reply)
+        for reply in [r for r in self._waiting if r.prefill and r.request.session_id in replying]:
+            self._waiting.remove(reply)
+            reply.put(None)
         while self._waiting and len(self._active) < self.max_batch:
             reply = self._waiting.popleft()
             try:
@@ -346,6 +384,8 @@ class LlamaBatchEngine:
                     self._forget(reply.seq)
                 continue
             self._active.append(reply)
+            if reply.prefill and not reply.pending:  # its words were all in the cache already
+                self._end_prefill(reply)
 
     def _assign(self, reply: _Reply) -> None:
         """A sequence for the reply, holding as much of its prompt as the cache can give."""
@@ -370,7 +410,8 @@ class LlamaBatchEngine:
                 resident.tokens = self._head
             resident.session_id = session
         resident.busy = True
-        cached = min(common_prefix(resident.tokens, reply.prompt), len(reply.prompt) - 1)
+        # A reply evaluates at least its last token (its logits are sampled); a prefill may have nothing to do.
+        cached = min(common_prefix(resident.tokens, reply.prompt), len(reply.prompt) - (not reply.prefill))
         if reply.word is not None:
             cached = min(cached, reply.word)  # its logits are read as it is evaluated
         llama_cpp.llama_memory_seq_rm(memory, seq, cached, -1)
@@ -386,6 +427,10 @@ class LlamaBatchEngine:
         resident.tokens = evaluated[: reply.position]
         resident.busy = False
         resident.used = time.monotonic()
+
+    def _end_prefill(self, reply: _Reply) -> None:
+        self._finish(reply)  # first: the caller may send the next prefill as soon as it hears this one ended
+        reply.put(None)
 
     def _save(self, seq: int) -> None:
         resident = self._residents[seq]
@@ -420,7 +465,8 @@ class LlamaBatchEngine:
             taken.append((reply, len(rows), count))
             for index in range(count):
                 position = reply.position + index
-                wanted = position == reply.word or (index == count - 1 and count == len(reply.pending))
+                last = index == count - 1 and count == len(reply.pending)
+                wanted = position == reply.word or (last and not reply.prefill)
                 rows.append((reply.pending[index], position, reply.seq, wanted))
         urgent = any(reply.urgent for reply, _ in plan)
         if not rows:
@@ -442,7 +488,11 @@ class LlamaBatchEngine:
                 )
             reply.position += count
             del reply.pending[:count]
-            if not reply.pending:
+            if reply.pending:
+                continue
+            if reply.prefill:
+                self._end_prefill(reply)
+            else:
                 self._next_token(reply, self._logits(first_row + count - 1))
         return None
 
@@ -536,18 +586,22 @@ def plan_step(
 ) -> list[tuple[_Reply, int]]:
     """Which replies go into the next step, and how many of their pending tokens: urgent ones first, in arrival
     order, up to `budget` tokens. A reply past its first words sits out a step that carries urgent work unless its
-    audio would run dry within `due_s` (None: it never sits out), and every step until it is `ready_at`."""
+    audio would run dry within `due_s` (None: it never sits out), and every step until it is `ready_at`. A prefill
+    (nobody waits on it) sits out every step that carries urgent work."""
     urgent = any(reply.urgent for reply in replies)
     plan: list[tuple[_Reply, int]] = []
     for reply in sorted(replies, key=lambda r: (not r.urgent, r.enqueued_ns)):
         if budget == 0:
             break
-        if not reply.urgent:
+        if reply.prefill:
+            if urgent:
+                continue
+        elif not reply.urgent:
             if ready_at(reply, yield_s, max_ahead_s) > now:
                 continue
             if due_s is not None and urgent and reply.playout.runs_dry(reply.text) - now > due_s:
                 continue
-        count = min(budget, len(reply.pending))
+        count = min(budget, len(reply.pending), PREFILL_STEP_TOKENS if reply.prefill else budget)
         plan.append((reply, count))
         budget -= count
     return plan

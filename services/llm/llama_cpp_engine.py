@@ -22,7 +22,7 @@ import numpy as np
 from llama_cpp import Llama
 from llama_cpp.llama_types import CreateCompletionStreamResponse
 
-from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
 from services.llm.prompt import CompletionPrompt
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,10 @@ MIN_AHEAD_S = 2 * REFILL_S  # it resumes at RESUME_AT of max_ahead_s, which must
 # How long a reply may step aside once its urgent words are out (`first_chunk_yield_s`): the TTS's first chunk
 # takes 30-50 ms; a pause near a second would eat into the next chunk's REFILL_S.
 MAX_FIRST_CHUNK_YIELD_S = 0.5
+
+
+# A prefill evaluates at most this many tokens at a time (~60 ms on 2 cores) and stops when a call is waiting.
+PREFILL_STEP_TOKENS = 32
 
 
 def check_first_chunk_yield(seconds: float) -> None:
@@ -212,7 +216,7 @@ class LlamaCppEngine:
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(
-            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns
+            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns, prefills=True
         )
         self._slot_count = slots
         self._slots: list[_Slot] = []
@@ -381,13 +385,7 @@ class LlamaCppEngine:
         room = self.n_ctx - request.max_tokens - 8
         if len(tokens) > room:
             raise ValueError(f"prompt has {len(tokens)} tokens; at most {room} fit with max_tokens")
-        cached = common_prefix(list(llama._input_ids), tokens)
-        saved = self._states.get(request.session_id)
-        if saved is not None and slot.session_id != request.session_id:
-            if common_prefix(saved.tokens, tokens) > cached:
-                saved.load(llama)
-                cached = common_prefix(saved.tokens, tokens)
-        slot.session_id = request.session_id
+        cached = self._take_over(slot, request.session_id, tokens)
         if request.score_turn_end:
             tokens, word = split_at_turn_end(
                 lambda part, bos: llama.tokenize(part.encode(), add_bos=bos), self.prompt, text, tokens
@@ -460,6 +458,48 @@ class LlamaCppEngine:
                 completion_tokens=completion,
             )
         )
+
+    def _take_over(self, slot: _Slot, session_id: str, tokens: list[int]) -> int:
+        """Make `slot` the session's, its saved state loaded if that holds more of `tokens` than the slot does; the
+        count of `tokens` the slot's cache now holds."""
+        llama = slot.llama
+        cached = common_prefix(list(llama._input_ids), tokens)
+        saved = self._states.get(session_id)
+        if saved is not None and slot.session_id != session_id:
+            if common_prefix(saved.tokens, tokens) > cached:
+                saved.load(llama)
+                cached = common_prefix(saved.tokens, tokens)
+        slot.session_id = session_id
+        return cached
+
+    async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
+        free = [slot for slot in self._slots if not slot.busy]
+        if not free or self._waiters:  # best effort: never a wait, never in anyone's way
+            return Prefilled()
+        slot = await self._acquire(session_id)
+        worker = asyncio.get_running_loop().run_in_executor(
+            slot.thread, self._prefill_blocking, slot, session_id, messages
+        )
+        # A call of the session that comes meanwhile waits for this slot: at most the words of one partial.
+        worker.add_done_callback(lambda _: self._release(slot))
+        return await asyncio.shield(worker)
+
+    def _prefill_blocking(self, slot: _Slot, session_id: str, messages: list[Message]) -> Prefilled:
+        text = self.prompt.prefill_text(messages)
+        if text is None:
+            return Prefilled()
+        llama = slot.llama
+        tokens = llama.tokenize(text.encode(), add_bos=True)
+        if len(tokens) > self.n_ctx - 8:
+            raise ValueError(f"prompt has {len(tokens)} tokens; at most {self.n_ctx - 8} fit")
+        cached = self._take_over(slot, session_id, tokens)
+        llama.n_tokens = cached  # eval drops the cache past it
+        # In steps, so that a call that comes meanwhile waits for no more than one of them.
+        while llama.n_tokens < len(tokens) and not self._waiters:
+            llama.eval(tokens[llama.n_tokens : llama.n_tokens + PREFILL_STEP_TOKENS])
+        if llama.n_tokens > cached:
+            self._save_state(session_id, llama)
+        return Prefilled(len(tokens), cached, llama.n_tokens - cached)
 
     def _turn_end(self, llama: Llama, tokens: list[int], cached: int, word: int | None) -> float | None:
         """P(a sentence end or a line break right after the user's last word): the model's own sense of whether

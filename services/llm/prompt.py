@@ -71,6 +71,13 @@ class CompletionPrompt:
             end -= 1
         return end if any(ch.isalnum() for ch in text[line_start:end]) else None
 
+    def prefill_text(self, messages: list[Message]) -> str | None:
+        """The prompt of a dialogue ending with the user's words so far, cut right after the last word: what a reply
+        to any continuation of those words begins with (None: no words)."""
+        text = self.render(messages)
+        offset = self.turn_end_offset(text)
+        return None if offset is None else text[:offset]
+
     def _line(self, message: Message) -> str:
         content = " ".join(message.content.split())
         if message.role == "assistant" and message.interrupted:

@@ -17,7 +17,7 @@ from voicemesh import config, serving, telemetry
 from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.limits import MAX_TOKENS, URGENT_WORDS
-from voicemesh.serving import OpenCalls, Server, stream_handler
+from voicemesh.serving import OpenCalls, Server, stream_handler, unary_handler
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -93,14 +93,13 @@ class LlmSettings(config.ServerSettings):
     )
 
 
-def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
-    """Validate a GenerateRequest and turn it into the engine's request."""
-    check_session_id(message.session_id)
-    if not message.messages:
+def to_messages(dialogue: Sequence[llm_pb2.ChatMessage]) -> list[Message]:
+    """Validate a request's dialogue (it must end with the user's words) and turn it into the engine's messages."""
+    if not dialogue:
         raise invalid("messages is empty; send the dialogue, ending with a ROLE_USER message")
     messages = []
     total = 0
-    for index, item in enumerate(message.messages):
+    for index, item in enumerate(dialogue):
         if item.role not in ROLES:
             raise invalid(f"messages[{index}].role={item.role} unknown; send ROLE_SYSTEM, ROLE_USER or ROLE_ASSISTANT")
         if not item.content.strip():
@@ -116,6 +115,13 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
         raise out_of_range(f"messages hold {total} characters; at most {MAX_PROMPT_CHARS} (trim old turns)")
     if messages[-1].role != "user":
         raise invalid(f"the last message is ROLE_{messages[-1].role.upper()}; it must be ROLE_USER")
+    return messages
+
+
+def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
+    """Validate a GenerateRequest and turn it into the engine's request."""
+    check_session_id(message.session_id)
+    messages = to_messages(message.messages)
     max_tokens = MAX_TOKENS.resolve(message.max_tokens, "max_tokens")
     if len(message.stop) > 8 or any(not 1 <= len(s) <= 64 for s in message.stop):
         raise invalid("stop: send at most 8 strings of 1-64 characters each")
@@ -235,6 +241,31 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
             finally:
                 span.end()
         telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
+
+    @unary_handler
+    async def Prefill(
+        self,
+        request: llm_pb2.PrefillRequest,
+        context: grpc.aio.ServicerContext[llm_pb2.PrefillRequest, llm_pb2.PrefillResponse],
+    ) -> llm_pb2.PrefillResponse:
+        if not self.ready:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; wait for health SERVING")
+        check_session_id(request.session_id)
+        messages = to_messages(request.messages)
+        response = llm_pb2.PrefillResponse(replica=self.replica)
+        if self.admission.in_flight >= self.admission.slots:  # calls are waiting: no room for work nobody waits on
+            telemetry.PREFILLS.labels("busy").inc()
+            return response
+        with self.calls.hold():
+            try:
+                done = await self.engine.prefill(request.session_id, messages)
+            except ValueError as exc:  # the engine's own limits, e.g. the prompt does not fit the context
+                raise out_of_range(str(exc)) from exc
+        telemetry.PREFILLS.labels("evaluated" if done.evaluated_tokens else "nothing_new").inc()
+        response.prompt_tokens = done.prompt_tokens
+        response.cached_prompt_tokens = done.cached_tokens
+        response.evaluated_tokens = done.evaluated_tokens
+        return response
 
     async def _generate(
         self, generation: GenerationRequest, span: Span, admitted: Admitted

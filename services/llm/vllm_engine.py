@@ -16,7 +16,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
-from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message
+from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
 from services.llm.prompt import CompletionPrompt
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,11 @@ class VllmEngine:
     def waiting(self) -> int:
         # vLLM runs requests first come, first served, up to max_num_seqs at once.
         return max(0, self._in_flight - self.max_num_seqs)
+
+    async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
+        """Nothing to do: vLLM's prefix cache keeps the session's earlier turns, and its prefill of a turn's new words
+        is a single batched step on the accelerator."""
+        return Prefilled()
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         from vllm.exceptions import VLLMValidationError

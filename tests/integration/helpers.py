@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any
 
 import grpc
@@ -12,11 +12,14 @@ from gateway.server import GatewayServer, GatewaySettings, build_server
 from voicemesh.mesh import free_port
 
 
-async def expect_error(call: AsyncIterator[object], code: grpc.StatusCode, *words: str) -> str:
-    """Drain a streaming call; assert it ends with `code` and a message containing `words`."""
+async def expect_error(call: AsyncIterator[object] | Awaitable[object], code: grpc.StatusCode, *words: str) -> str:
+    """Drain a streaming call (or await a unary one); assert it ends with `code` and a message containing `words`."""
     try:
-        async for _ in call:
-            pass
+        if isinstance(call, Awaitable) and not hasattr(call, "__aiter__"):
+            await call
+        else:
+            async for _ in call:  # type: ignore[union-attr]
+                pass
     except grpc.aio.AioRpcError as error:
         assert error.code() == code, f"expected {code.name}, got {error.code().name}: {error.details()}"
         for word in words:

@@ -51,6 +51,22 @@ async def _reply(
     return "".join(said), first or started, time.monotonic()
 
 
+async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest_and_never_waits(engines) -> None:
+    engine = engines["yielding"]
+    partial, whole = "Can you tell me what the weather will", "Can you tell me what the weather will be like tomorrow?"
+    done = await engine.prefill("prefilled", [Message("user", partial)])
+    assert done.evaluated_tokens > 0 and done.cached_tokens + done.evaluated_tokens == done.prompt_tokens, done
+    request = GenerationRequest("prefilled", [Message("user", whole)], max_tokens=8, score_turn_end=True)
+    last = [chunk async for chunk in engine.generate(request)][-1]
+    assert last.cached_prompt_tokens >= done.prompt_tokens, (done, last)
+    busy = asyncio.ensure_future(_reply(engine, "busy", LONG, start=LONG_START))
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    skipped = await engine.prefill("waits-not", [Message("user", partial)])
+    assert skipped.evaluated_tokens == 0 and time.monotonic() - started < 0.05, "the slot is busy: skipped"
+    await busy
+
+
 @pytest.mark.parametrize("mode", ["yielding", "first_come"])
 async def test_a_new_turns_first_words_do_not_wait_for_another_sessions_whole_reply(engines, mode: str) -> None:
     engine = engines[mode]

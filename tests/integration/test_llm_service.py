@@ -105,6 +105,36 @@ async def test_bad_input_gets_a_clear_status(services: dict[str, str], request_,
         await expect_error(llm_pb2_grpc.GeneratorStub(channel).Generate(request_), code, *words)
 
 
+async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest(services: dict[str, str]) -> None:
+    partial = [llm_pb2.ChatMessage(role=USER, content="Can you tell me what the weather will")]
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        stub = llm_pb2_grpc.GeneratorStub(channel)
+        done = await stub.Prefill(llm_pb2.PrefillRequest(session_id="prefill-test", messages=partial))
+        assert done.evaluated_tokens > 0 and done.replica, done
+        again = await stub.Prefill(llm_pb2.PrefillRequest(session_id="prefill-test", messages=partial))
+        assert again.evaluated_tokens == 0 and again.cached_prompt_tokens == done.prompt_tokens
+    whole = [(USER, "Can you tell me what the weather will be like tomorrow?")]
+    last = [r async for r in clients.generate(services["llm"], whole, session_id="prefill-test")][-1]
+    assert last.usage.cached_prompt_tokens >= done.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (llm_pb2.PrefillRequest(session_id="bad"), ("messages is empty",)),
+        (llm_pb2.PrefillRequest(messages=[llm_pb2.ChatMessage(role=USER, content="Hi")]), ("session_id",)),
+        (
+            llm_pb2.PrefillRequest(session_id="bad", messages=[llm_pb2.ChatMessage(role=ASSISTANT, content="Hi")]),
+            ("last message", "ROLE_USER"),
+        ),
+    ],
+)
+async def test_a_bad_prefill_gets_a_clear_status(services: dict[str, str], request_, words) -> None:
+    async with grpc.aio.insecure_channel(services["llm"]) as channel:
+        stub = llm_pb2_grpc.GeneratorStub(channel)
+        await expect_error(stub.Prefill(request_), grpc.StatusCode.INVALID_ARGUMENT, *words)
+
+
 def _words(text: str) -> str:
     return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
 

@@ -8,6 +8,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import grpc
+
 from voicemesh.v1 import asr_pb2, audio_pb2, llm_pb2, tts_pb2
 
 FRAMES_PER_WORD = 3
@@ -95,6 +97,8 @@ class FakeBackends:
         self.asr_script: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
         self.tts_connected = False
         self.llm_scores_turn_end = turn_end is not None
+        self.prefills: list[llm_pb2.PrefillRequest] = []
+        self.prefill_error: grpc.aio.AioRpcError | None = None  # every prefill fails with it
 
     def pick(self, stage: str) -> str:
         return stage
@@ -116,6 +120,12 @@ class FakeBackends:
     @contextlib.contextmanager
     def streaming(self, stage: str, target: str) -> Iterator[None]:
         yield
+
+    async def prefill(self, request: llm_pb2.PrefillRequest) -> llm_pb2.PrefillResponse:
+        self.prefills.append(request)
+        if self.prefill_error is not None:
+            raise self.prefill_error
+        return llm_pb2.PrefillResponse(evaluated_tokens=len(request.messages[-1].content.split()))
 
     async def generate(
         self, request: llm_pb2.GenerateRequest, metadata: object = None

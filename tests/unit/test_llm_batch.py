@@ -12,7 +12,7 @@ import pytest
 
 from services.llm.engine import GenerationRequest, Message
 from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, ready_at, sample
-from services.llm.llama_cpp_engine import Playout
+from services.llm.llama_cpp_engine import PREFILL_STEP_TOKENS, Playout
 from services.llm.server import LlmSettings, build_engine
 
 VOCAB = 1000
@@ -126,6 +126,20 @@ async def test_prompts_share_the_step_budget_and_carry_on_in_the_next() -> None:
     assert plan_step([small, big], time.monotonic()) == [(big, N_BATCH)], "in arrival order"
     big.pending = big.pending[N_BATCH:]
     assert plan_step([small, big], time.monotonic()) == [(big, 700 - N_BATCH), (small, 20)]
+
+
+async def test_a_prefill_sits_out_steps_with_urgent_work_and_goes_in_short_steps() -> None:
+    loop = asyncio.get_running_loop()
+    now = time.monotonic()
+    prefill = _reply(loop, prompt=200, pending=80, started=None)
+    prefill.prefill = True
+    assert not prefill.urgent, "nobody waits on a prefill"
+    continuing = _reply(loop, prompt=120, pending=1, started=now - 1, said="x" * 60)
+    first_words = _reply(loop, prompt=120, pending=1, started=None, said="It")
+    assert plan_step([prefill, first_words], now) == [(first_words, 1)]
+    assert dict(plan_step([prefill, continuing], now)) == {continuing: 1, prefill: PREFILL_STEP_TOKENS}
+    prefill.pending = prefill.pending[: PREFILL_STEP_TOKENS // 2]
+    assert plan_step([prefill], now) == [(prefill, PREFILL_STEP_TOKENS // 2)]
 
 
 @pytest.mark.parametrize(

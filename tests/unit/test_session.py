@@ -74,6 +74,49 @@ async def test_frames_sent_while_the_asr_stream_connects_are_not_lost() -> None:
     assert isinstance(backends.tts[0], tts_pb2.SynthesizeRequest)
 
 
+async def test_partials_prefill_the_dialogue_one_call_at_a_time_and_a_failed_prefill_loses_nothing() -> None:
+    backends = FakeBackends(reply="Yes it is.")
+    session = new_session(backends)
+    try:
+        await until(lambda: backends.tts_connected)
+        before = telemetry.PREFILLS.labels("failed")._value.get()
+        backends.prefill_error = grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "replica down"
+        )
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="is it going"))
+        await until(lambda: len(backends.prefills) == 1)
+        assert telemetry.PREFILLS.labels("failed")._value.get() == before + 1
+        backends.prefill_error = None
+        backends.say(partial=asr_pb2.Partial(text="is it going to"))
+        await until(lambda: len(backends.prefills) == 2)
+        request = backends.prefills[-1]
+        assert request.session_id == "s1" and request.messages[-1].content == "is it going"
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="is it going to rain"))
+        backends.say(final=asr_pb2.Final(text="is it going to rain"))
+        await until(lambda: session.playout.queued == 3 * FRAMES_PER_WORD)  # the reply, whatever the prefills did
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="yeah okay sure"))  # a backchannel: the reply is current still
+        await asyncio.sleep(0.05)
+        assert len(backends.prefills) == 2
+    finally:
+        await session.close()
+
+
+async def test_without_prefill_partials_no_prefill_is_sent() -> None:
+    backends = FakeBackends()
+    session = new_session(backends, prefill_partials=False)
+    try:
+        await until(lambda: backends.tts_connected)
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="is it going to"))
+        backends.say(final=asr_pb2.Final(text="is it going to rain"))
+        await until(lambda: session.playout.queued > 0)
+        assert backends.prefills == []
+    finally:
+        await session.close()
+
+
 async def test_the_reply_is_handed_to_the_playout_and_is_done_only_once_the_transport_played_it() -> None:
     session, _ = await committed_reply("Hello there friend.")
     try:

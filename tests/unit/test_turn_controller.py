@@ -8,6 +8,7 @@ from gateway.turn import (
     EndTurn,
     Interrupt,
     PausePlayout,
+    Prefill,
     ResumePlayout,
     StartReply,
     TurnController,
@@ -69,6 +70,27 @@ def test_without_speculative_start_the_reply_starts_on_the_final() -> None:
     assert controller.on_final(200, "Hi.") == [StartReply(1, "Hi.", False), CommitReply(1, "Hi.")]
 
 
+def test_partials_prefill_their_words_but_the_last_once_each_and_only_between_replies() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    assert controller.on_partial(200, "The") == []  # no word the speaker has surely finished yet
+    assert controller.on_partial(400, "The child al") == [Prefill("The child")]
+    assert controller.on_partial(600, "The child almost") == []  # nothing new past "The child"
+    assert controller.on_partial(800, "The child almost hurt, the") == [Prefill("The child almost hurt,")]
+    controller.on_candidate(1000, "The child almost hurt the small dog.")
+    assert controller.on_partial(1100, "The child almost hurt the small dog again") == []  # a reply is under way
+    controller.on_final(1200, "The child almost hurt the small dog.")
+    controller.on_speech_started(1300)
+    assert controller.on_partial(1500, "Yeah okay") == []  # a backchannel over the reply: it plays on
+    # Words interrupt: the reply stops, and the words are the next turn's, prefilled from the first.
+    assert controller.on_partial(1700, "Yeah okay, is it hurt") == [Interrupt(1), Prefill("Yeah okay, is it")]
+
+
+def test_partials_prefill_nothing_when_the_session_turns_it_off() -> None:
+    controller = TurnController(TurnPolicy(prefill_partials=False))
+    assert controller.on_partial(400, "The child almost hurt") == []
+
+
 def test_noise_and_silence_start_no_reply() -> None:
     controller = TurnController()
     assert controller.on_candidate(100, "") == []
@@ -121,7 +143,7 @@ def test_a_wordless_final_ends_the_pause_at_once() -> None:
 def test_words_over_the_reply_interrupt_it_and_become_the_next_turn() -> None:
     controller = replying()
     controller.on_speech_started(3000)
-    assert controller.on_partial(3250, "Wait, stop") == [Interrupt(1)]  # before any pause: words decide at once
+    assert controller.on_partial(3250, "Wait, stop") == [Interrupt(1), Prefill("Wait,")]  # words decide at once
     assert controller.current is None
     controller.on_speech_stopped(3600)
     assert controller.on_candidate(3700, "Wait, stop.") == [StartReply(2, "Wait, stop.", True)]
@@ -139,7 +161,10 @@ def test_a_backchannel_then_words_interrupts() -> None:
     controller = replying()
     controller.on_speech_started(3000)
     assert controller.on_partial(3200, "Yeah") == []
-    assert controller.on_partial(3600, "Yeah, but what about tomorrow") == [Interrupt(1)]
+    assert controller.on_partial(3600, "Yeah, but what about tomorrow") == [
+        Interrupt(1),
+        Prefill("Yeah, but what about"),
+    ]
 
 
 def test_without_false_interruption_handling_long_speech_interrupts() -> None:
