@@ -9,6 +9,10 @@ and through the slot engine (one reply at a time, `max_batch` 1), with every cos
 strings, the asyncio hand-off), as aggregate completion tokens/s and the replies' first-token times.
 `python -m bench.llm_batch`.
 
+`--prefill`: a reply's time to first token, the turn-end score included, with and without a prefill of the user's
+words but the last two beforehand (what the gateway sends from the partial transcripts while the user speaks), side
+by side per sentence, through both engines, on the 40 sentences of bench/turn_sentences.py.
+
 `--calling-threads`: one decode step (one sequence) when every llama.cpp call comes from one thread, against when a
 warm-up ran on another thread first (what the engines did before: a team of OpenMP threads is left per calling
 thread, and past one thread per core libgomp sleeps between parallel regions instead of spinning). Each case runs in
@@ -218,6 +222,47 @@ def calling_thread_probe(case: str, steps: int, threads: int) -> float:
     return result[0]
 
 
+async def compare_prefill(rounds: int, threads: int) -> dict[str, object]:
+    from bench.turn_sentences import CHECK, TUNE
+
+    result: dict[str, object] = {"rounds": rounds, "sentences": len(TUNE) + len(CHECK), "held_back_words": 2}
+    for name, engine in (
+        ("batched", LlamaBatchEngine(default_model_path(), n_threads=threads, n_threads_batch=threads)),
+        ("slot", LlamaCppEngine(default_model_path(), n_threads=threads, n_threads_batch=threads)),
+    ):
+        await engine.start()
+        ttft: dict[str, list[float]] = {"without": [], "with": []}
+        evaluated: list[int] = []
+        try:
+            for round_ in range(rounds):
+                for index, sentence in enumerate((*TUNE, *CHECK)):
+                    for case in ("without", "with") if (round_ + index) % 2 else ("with", "without"):
+                        session = f"{name}-{case}-{round_}-{index}"  # a new session: the head cached, nothing else
+                        # The slot engine's one cache holds the last prompt, this sentence's own: replaced first
+                        # (once the last reply's thread has handed the slot back; a prefill never waits for it).
+                        await asyncio.sleep(0.01)
+                        await engine.prefill("elsewhere", [Message("user", f"Something else entirely, {index}.")])
+                        if case == "with":
+                            words = sentence.split()[:-2]
+                            done = await engine.prefill(session, [Message("user", " ".join(words))])
+                            evaluated.append(done.evaluated_tokens)
+                        request = GenerationRequest(
+                            session, [Message("user", sentence)], max_tokens=2, score_turn_end=True
+                        )
+                        chunks = [chunk async for chunk in engine.generate(request)]
+                        ttft[case].append(next(c.ttft_ms for c in chunks if c.ttft_ms))
+        finally:
+            await engine.close()
+        medians = {case: round(statistics.median(values), 1) for case, values in ttft.items()}
+        result[name] = {
+            "ttft_ms_p50": medians,
+            "ttft_ms_mean": {case: round(statistics.mean(values), 1) for case, values in ttft.items()},
+            "with_over_without": round(medians["with"] / medians["without"], 2),
+            "prefilled_tokens_p50": statistics.median(evaluated),
+        }
+    return result
+
+
 def compare_calling_threads(rounds: int, steps: int, threads: int) -> dict[str, object]:
     runs: dict[str, list[float]] = {case: [] for case in CALLING_THREAD_CASES}
     for _ in range(rounds):
@@ -244,10 +289,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the engine comparison")
     parser.add_argument("--calling-threads", action="store_true", help="only the calling-thread comparison")
+    parser.add_argument("--prefill", action="store_true", help="only the prefill comparison")
     parser.add_argument("--probe", choices=CALLING_THREAD_CASES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
         print(calling_thread_probe(args.probe, args.steps, args.threads))
+        return
+    if args.prefill:
+        json.dump(asyncio.run(compare_prefill(args.rounds, args.threads)), sys.stdout, indent=2)
+        print()
         return
     if args.calling_threads:
         json.dump(compare_calling_threads(args.rounds, args.steps, args.threads), sys.stdout, indent=2)

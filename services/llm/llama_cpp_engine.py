@@ -473,16 +473,22 @@ class LlamaCppEngine:
         return cached
 
     async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
+        await asyncio.sleep(0)  # a call that just ended hands its slot back on the loop's next turn
         free = [slot for slot in self._slots if not slot.busy]
         if not free or self._waiters:  # best effort: never a wait, never in anyone's way
             return Prefilled()
         slot = await self._acquire(session_id)
+        # A call that comes meanwhile waits for this slot: at most one step of PREFILL_STEP_TOKENS.
         worker = asyncio.get_running_loop().run_in_executor(
             slot.thread, self._prefill_blocking, slot, session_id, messages
         )
-        # A call of the session that comes meanwhile waits for this slot: at most the words of one partial.
-        worker.add_done_callback(lambda _: self._release(slot))
-        return await asyncio.shield(worker)
+        try:
+            return await asyncio.shield(worker)
+        finally:
+            if worker.done():
+                self._release(slot)
+            else:  # the caller gave up: the slot is free once the thread is done with it
+                worker.add_done_callback(lambda _: self._release(slot))
 
     def _prefill_blocking(self, slot: _Slot, session_id: str, messages: list[Message]) -> Prefilled:
         text = self.prompt.prefill_text(messages)
