@@ -50,6 +50,8 @@ MIN_AHEAD_S = 2 * REFILL_S  # it resumes at RESUME_AT of max_ahead_s, which must
 MAX_FIRST_CHUNK_YIELD_S = 0.5
 
 
+# How often a reply stepping aside for the TTS looks for a call waiting for its slot.
+STEP_ASIDE_POLL_S = 0.005
 # A prefill evaluates at most this many tokens at a time (~60 ms on 2 cores) and stops when a call is waiting.
 PREFILL_STEP_TOKENS = 32
 
@@ -443,7 +445,7 @@ class LlamaCppEngine:
                         playout.started = time.monotonic()
                         if self.first_chunk_yield_s and not finish:
                             self.stepped_aside += 1
-                            cancel.wait(self.first_chunk_yield_s)  # the cores are the TTS's first chunk's
+                            self._step_aside(cancel)
         finally:
             stream.close()
         if cancel.is_set():
@@ -506,6 +508,15 @@ class LlamaCppEngine:
         if llama.n_tokens > cached:
             self._save_state(session_id, llama)
         return Prefilled(len(tokens), cached, llama.n_tokens - cached)
+
+    def _step_aside(self, cancel: threading.Event) -> None:
+        """Pause for `first_chunk_yield_s`, the cores the TTS's first chunk's, unless a call comes for the slot
+        meanwhile: the reply then goes on to its next token, where it hands the slot over, so the call waits for
+        no pause of another's. A cancel ends the pause at once."""
+        until = time.monotonic() + self.first_chunk_yield_s
+        while not self._waiters and (left := until - time.monotonic()) > 0:
+            if cancel.wait(min(left, STEP_ASIDE_POLL_S)):
+                return
 
     def _turn_end(self, llama: Llama, tokens: list[int], cached: int, word: int | None) -> float | None:
         """P(a sentence end or a line break right after the user's last word): the model's own sense of whether

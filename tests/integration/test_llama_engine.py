@@ -132,6 +132,22 @@ async def test_once_its_urgent_words_are_out_a_reply_steps_aside_for_the_tts_and
     assert arrivals[out + 1][1] - arrivals[out][1] >= YIELD_S, "the next words waited out the TTS's first chunk"
 
 
+async def test_a_call_that_comes_while_a_reply_steps_aside_does_not_wait_out_the_pause(engines) -> None:
+    engine = engines["stepping_aside"]
+    request = GenerationRequest("aside", [Message("user", "Tell me about dogs.")], max_tokens=24, urgent_words=2)
+    said = ""
+    newcomer: asyncio.Future[tuple[str, float, float]] | None = None
+    async for chunk in engine.generate(request):
+        said += chunk.text
+        if newcomer is None and past_urgent(said, 2):  # the reply pauses now, for YIELD_S
+            asked = time.monotonic()
+            newcomer = asyncio.ensure_future(_reply(engine, "newcomer", "Say hello.", max_tokens=4))
+    assert newcomer is not None
+    _, first, _ = await newcomer
+    # Waiting out the pause, they came 0.47 s after it asked; without, 0.17 s (a token, a swap, its prefill).
+    assert first - asked < YIELD_S, f"its first words came {first - asked:.3f} s after it asked"
+
+
 async def test_each_slot_computes_on_one_thread_of_its_own(monkeypatch) -> None:
     """As the batched engine: a second thread calling llama.cpp leaves a second OpenMP team, which on 2 cores made
     every decode step 1.6 times slower. Replies of different sessions, one after another, share the slot's thread."""
