@@ -10,7 +10,9 @@ The set, built from the real clips in ../shared/audio (word times from Whisper):
 Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream with the real
 Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. The `llm` policy plays the gateway's
 part too: each endpoint candidate starts a reply on the real Gemma engine, whose P(turn end) goes back to the
-stream as a TurnScore, and the reply runs on, competing for the cores as it would live. Clips are split: the thresholds were
+stream as a TurnScore, and the reply runs on, competing for the cores as it would live; while the user speaks, the
+partials' words are prefilled into the engine as the gateway's turn controller decides (`llm_no_prefill`, not in the
+default run: without). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
 Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
@@ -31,9 +33,11 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from gateway.turn import Prefill, TurnController, TurnPolicy
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
 from services.asr.server import AsrSettings
 from services.asr.stream import RecognitionStream
@@ -51,18 +55,29 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
 SPLIT = {"spk1_snt1": "tune", "wizard": "tune", "jfk": "tune", "spk2_snt1": "check", "horizon": "check"}
 SPLICE_MS = (200, 400, 600, 800)
+SESSION = "bench-turns"
 HESITATION_PAUSE_MS = 600
 FILLER_TEXT = "Um..."
 LONG_PAUSE_CLIPS = {"jfk"}  # natural pauses of ~1.1 s inside the sentence
 TRAILING_S = 2.5
 FRAME_MS = 20
-# name -> (endpointing, scored with the audio model too, scored by the LLM as the gateway does)
+
+
+class Policy(NamedTuple):
+    endpointing: EndpointingPolicy
+    audio: bool  # scored with the audio model too
+    llm: bool  # scored by the LLM as the gateway does
+    prefill: bool = True  # with llm: the partials' words prefilled while the user speaks, as the gateway does
+
+
 POLICIES = {
-    "fixed_288": (EndpointingPolicy(fixed_hangover=True), False, False),
-    "text": (EndpointingPolicy(), False, False),
-    "audio_text": (EndpointingPolicy(), True, False),
-    "llm": (EndpointingPolicy(), False, True),
+    "fixed_288": Policy(EndpointingPolicy(fixed_hangover=True), False, False),
+    "text": Policy(EndpointingPolicy(), False, False),
+    "audio_text": Policy(EndpointingPolicy(), True, False),
+    "llm": Policy(EndpointingPolicy(), False, True),
+    "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),  # not in the default run
 }
+DEFAULT_POLICIES = ("fixed_288", "text", "audio_text", "llm")
 
 
 @dataclass
@@ -208,27 +223,53 @@ class RecordingScorer(TurnScorer):
 
 class LlmScorer:
     """The gateway's part: each endpoint candidate starts a reply from the real LLM engine, which scores the turn
-    end first; the score goes back to the stream, and the reply runs on (its CPU competes, as it would live)."""
+    end first; the score goes back to the stream, and the reply runs on (its CPU competes, as it would live). With
+    `prefill`, the partials' words go to the engine while the user speaks, as the gateway's turn controller decides."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scores: list[tuple[str, float]] = []
         self._replies: set[asyncio.Task[None]] = set()
+        self.turns = TurnController(TurnPolicy(prefill_partials=False))
+        self._prefill_next: str | None = None
+        self._prefill_task: asyncio.Task[None] | None = None
+
+    def new_utterance(self, prefill: bool) -> None:
+        self.scores.clear()
+        self.turns = TurnController(TurnPolicy(prefill_partials=prefill))
 
     def on_event(self, stream: RecognitionStream, event: asr_pb2.RecognizeEvent) -> None:
-        if event.WhichOneof("event") == "endpoint_candidate":
+        kind = event.WhichOneof("event")
+        if kind == "partial":
+            for command in self.turns.on_partial(0, event.partial.text):
+                if isinstance(command, Prefill):
+                    self._prefill(command.user_text)
+        elif kind == "speech_resumed":
+            self.turns.on_speech_resumed(0)
+        elif kind == "endpoint_candidate":
+            self.turns.on_candidate(0, event.endpoint_candidate.text.strip())
             for task in self._replies:
                 task.cancel()  # a newer candidate replaces the speculative reply, as the gateway does
             task = asyncio.ensure_future(self._reply(stream, event.endpoint_candidate))
             self._replies.add(task)
             task.add_done_callback(self._replies.discard)
 
+    def _prefill(self, user_text: str) -> None:  # one call at a time, the newest words next, as the gateway does
+        self._prefill_next = user_text
+        if self._prefill_task is None or self._prefill_task.done():
+            self._prefill_task = asyncio.ensure_future(self._prefills())
+
+    async def _prefills(self) -> None:
+        while (user_text := self._prefill_next) is not None and not self._replies:
+            self._prefill_next = None
+            await self.engine.prefill(SESSION, [Message("user", user_text)])
+
     async def _reply(self, stream: RecognitionStream, candidate: asr_pb2.EndpointCandidate) -> None:
         if not candidate.text.strip():
             stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
             return
         request = GenerationRequest(
-            "bench-turns", [Message("user", candidate.text.strip())], max_tokens=24, score_turn_end=True
+            SESSION, [Message("user", candidate.text.strip())], max_tokens=24, score_turn_end=True
         )
         scored = False
         async for chunk in self.engine.generate(request):
@@ -241,9 +282,10 @@ class LlmScorer:
                 stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
 
     async def settle(self) -> None:
-        for task in list(self._replies):
+        tasks = [*self._replies, *([self._prefill_task] if self._prefill_task else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._replies, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def run_one(
@@ -254,6 +296,7 @@ async def run_one(
     pool: WorkerPool,
     scorer: RecordingScorer,
     llm: LlmScorer | None = None,
+    prefill: bool = True,
 ) -> Outcome:
     events: list[asr_pb2.RecognizeEvent] = []
     config = asr_pb2.RecognitionConfig(
@@ -267,7 +310,7 @@ async def run_one(
 
     stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, emit, scorer)
     if llm is not None:
-        llm.scores.clear()
+        llm.new_utterance(prefill)
     audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
     frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
     scorer.records.clear()
@@ -430,7 +473,7 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
     pool = WorkerPool(settings.workers, "bench-asr")
     engine: Engine | None = None
-    if any(POLICIES[p][2] for p in policies):
+    if any(POLICIES[p].llm for p in policies):
         engine = build_engine(LlmSettings())  # the LLM service's engine at its defaults
         await engine.start()
     llm = LlmScorer(engine) if engine is not None else None
@@ -439,15 +482,22 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
     per_policy: dict[str, list[Outcome]] = {p: [] for p in policies}
     for utterance in utterances:  # policies interleaved per utterance: drift in machine load hits both alike
         for name in policies:
-            policy, with_audio, with_llm = POLICIES[name]
-            scorer = scorers[with_audio]
+            policy = POLICIES[name]
+            scorer = scorers[policy.audio]
             outcome = await run_one(
-                utterance, policy, vad_session, transcriber, pool, scorer, llm if with_llm else None
+                utterance,
+                policy.endpointing,
+                vad_session,
+                transcriber,
+                pool,
+                scorer,
+                llm if policy.llm else None,
+                policy.prefill,
             )
             per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():
         results[name] = summarize(outcomes)
-        if POLICIES[name][1] or POLICIES[name][2]:
+        if POLICIES[name].audio or POLICIES[name].llm:
             results[f"signals_{name}"] = signal_quality(outcomes)
     results["per_utterance"] = {
         name: [
@@ -478,13 +528,13 @@ def run(
     if not names:
         return {"skipped": f"no clips under {CLIPS}"}
     one_blas_thread()  # as the ASR and LLM services do when they serve
-    return asyncio.run(measure(names, policies or list(POLICIES), kinds))
+    return asyncio.run(measure(names, policies or list(DEFAULT_POLICIES), kinds))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clips", default=",".join(SPLIT))
-    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"of {','.join(POLICIES)}")
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
     parser.add_argument("--text", action="store_true", help="only the LLM's score on text, word by word (no audio)")
