@@ -76,8 +76,8 @@ TURN_SCORES = Counter(
 )
 PREFILLS = Counter(
     "voicemesh_llm_prefills_total",
-    "Prefills of a partial transcript by outcome (evaluated; nothing_new: all cached; busy: skipped, calls waiting; "
-    "failed: the gateway's call failed, the reply prefills it all)",
+    "Prefills of a partial transcript by outcome (evaluated; nothing_new: all cached; skipped: the replica was serving "
+    "a reply, or its engine needs none; failed: the gateway's call failed, the reply prefills it all)",
     ["outcome"],
 )
 SPECULATIVE = Counter("voicemesh_speculative_starts_total", "Speculative reply starts by outcome", ["outcome"])

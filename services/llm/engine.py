@@ -53,11 +53,12 @@ class GenerationChunk:
 @dataclass(frozen=True)
 class Prefilled:
     """What a prefill did: the dialogue's tokens up to the user's last word, those already cached, those evaluated
-    now (0: nothing new, or skipped)."""
+    now; `skipped`: nothing was done (the engine was serving a reply, or needs no prefill)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
     evaluated_tokens: int = 0
+    skipped: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,9 @@ class Engine(Protocol):
 
     async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
         """Load `messages` up to the last word of the last (user) message into the session's cache, so that its next
-        `generate` evaluates only what is new. Best effort: skipped at once (nothing evaluated) when every slot is
-        busy; a `generate` of the same session that comes meanwhile ends it."""
+        `generate` evaluates only what is new. Best effort, never in a reply's way: skipped at once while the engine
+        serves any reply (on a shared box its cores are the reply's, and under load the saving did not pay); a
+        `generate` that comes meanwhile ends it."""
 
     @property
     def waiting(self) -> int:

@@ -303,9 +303,8 @@ class LlamaBatchEngine:
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is closing")
-            busy = [*self._waiting, *self._active]
-            if len(busy) >= self.max_batch or any(r.request.session_id == session_id for r in busy):
-                return Prefilled(len(prompt))  # best effort: never a wait, never in a reply's way
+            if self._waiting or self._active:  # never in a reply's way, nor in another prefill's
+                return Prefilled(len(prompt), skipped=True)
             self._waiting.append(reply)
             self._lock.notify()
         try:
@@ -361,8 +360,8 @@ class LlamaBatchEngine:
     def _admit(self) -> None:
         """Drop cancelled replies; give waiting ones a sequence while there is one (called with the lock held)."""
         for reply in [r for r in self._active if r.cancelled]:
-            reply.put(None)
             self._finish(reply)
+            reply.put(None)
         for reply in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(reply)
             reply.put(None)
@@ -429,7 +428,7 @@ class LlamaBatchEngine:
         resident.used = time.monotonic()
 
     def _end_prefill(self, reply: _Reply) -> None:
-        self._finish(reply)  # first: the caller may send the next prefill as soon as it hears this one ended
+        self._finish(reply)  # first, as for a reply
         reply.put(None)
 
     def _save(self, seq: int) -> None:
@@ -541,8 +540,8 @@ class LlamaBatchEngine:
                 completion_tokens=len(reply.generated),
             )
         )
+        self._finish(reply)  # first: a caller that hears the end may call again at once (a prefill sees it idle)
         reply.put(None)
-        self._finish(reply)
 
     def _piece(self, token: int) -> bytes:
         """The token's bytes, with the leading space a word-initial piece carries (`Llama.detokenize` of one token

@@ -476,9 +476,8 @@ class LlamaCppEngine:
 
     async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
         await asyncio.sleep(0)  # a call that just ended hands its slot back on the loop's next turn
-        free = [slot for slot in self._slots if not slot.busy]
-        if not free or self._waiters:  # best effort: never a wait, never in anyone's way
-            return Prefilled()
+        if any(slot.busy for slot in self._slots) or self._waiters:  # never in a reply's way, nor in a prefill's
+            return Prefilled(skipped=True)
         slot = await self._acquire(session_id)
         # A call that comes meanwhile waits for this slot: at most one step of PREFILL_STEP_TOKENS.
         worker = asyncio.get_running_loop().run_in_executor(

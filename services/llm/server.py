@@ -253,18 +253,17 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         check_session_id(request.session_id)
         messages = to_messages(request.messages)
         response = llm_pb2.PrefillResponse(replica=self.replica)
-        if self.admission.in_flight >= self.admission.slots:  # calls are waiting: no room for work nobody waits on
-            telemetry.PREFILLS.labels("busy").inc()
-            return response
         with self.calls.hold():
             try:
                 done = await self.engine.prefill(request.session_id, messages)
             except ValueError as exc:  # the engine's own limits, e.g. the prompt does not fit the context
                 raise out_of_range(str(exc)) from exc
-        telemetry.PREFILLS.labels("evaluated" if done.evaluated_tokens else "nothing_new").inc()
+        outcome = "skipped" if done.skipped else "evaluated" if done.evaluated_tokens else "nothing_new"
+        telemetry.PREFILLS.labels(outcome).inc()
         response.prompt_tokens = done.prompt_tokens
         response.cached_prompt_tokens = done.cached_tokens
         response.evaluated_tokens = done.evaluated_tokens
+        response.skipped = done.skipped
         return response
 
     async def _generate(

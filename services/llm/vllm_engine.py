@@ -100,7 +100,7 @@ class VllmEngine:
     async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
         """Nothing to do: vLLM's prefix cache keeps the session's earlier turns, and its prefill of a turn's new words
         is a single batched step on the accelerator."""
-        return Prefilled()
+        return Prefilled(skipped=True)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         from vllm.exceptions import VLLMValidationError

@@ -111,14 +111,15 @@ async def test_a_reply_that_comes_during_its_sessions_prefill_ends_it_and_keeps_
     assert _text(chunks).strip()
 
 
-async def test_a_prefill_never_waits_for_room(engines) -> None:
+async def test_a_prefill_is_skipped_at_once_while_the_engine_serves_a_reply(engines) -> None:
     engine = engines["urgent_first"]
-    replies = [asyncio.ensure_future(_chunks(engine, f"full-{i}", LONG, reply_prefix=LONG_START)) for i in range(3)]
+    reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
     await asyncio.sleep(0.05)
     started = time.monotonic()
     done = await engine.prefill("no-room", [Message("user", PARTIAL)])
-    assert done.evaluated_tokens == 0 and time.monotonic() - started < 0.05, "every sequence is busy: skipped"
-    await asyncio.gather(*replies)
+    assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05
+    await reply
+    assert not (await engine.prefill("no-room", [Message("user", PARTIAL)])).skipped, "idle again: it runs"
 
 
 async def test_a_session_whose_sequence_was_taken_over_gets_its_copy_back(engines) -> None:

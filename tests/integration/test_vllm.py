@@ -130,7 +130,7 @@ async def test_a_prefill_is_answered_at_once_with_nothing_evaluated(vllm_llm: st
     request = llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=[llm_pb2.ChatMessage(role=USER, content="Hi")])
     async with grpc.aio.insecure_channel(vllm_llm) as channel:
         done = await llm_pb2_grpc.GeneratorStub(channel).Prefill(request)
-    assert done.evaluated_tokens == 0 and done.replica, "vLLM caches prefixes itself"
+    assert done.skipped and done.evaluated_tokens == 0 and done.replica, "vLLM caches prefixes itself"
 
 
 async def test_cancel_mid_stream_frees_the_sequence_at_once(vllm_llm: str) -> None:
