@@ -49,7 +49,7 @@ from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
-from voicemesh.workers import WorkerPool
+from voicemesh.workers import Newest, WorkerPool
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -231,8 +231,7 @@ class LlmScorer:
         self.scores: list[tuple[str, float]] = []
         self._replies: set[asyncio.Task[None]] = set()
         self.turns = TurnController(TurnPolicy(prefill_partials=False))
-        self._prefill_next: str | None = None
-        self._prefill_task: asyncio.Task[None] | None = None
+        self._prefills = Newest(self._prefill, held=lambda: bool(self._replies))  # one at a time, as the gateway
 
     def new_utterance(self, prefill: bool) -> None:
         self.scores.clear()
@@ -243,7 +242,7 @@ class LlmScorer:
         if kind == "partial":
             for command in self.turns.on_partial(0, event.partial.text):
                 if isinstance(command, Prefill):
-                    self._prefill(command.user_text)
+                    self._prefills.offer(command.user_text)
         elif kind == "speech_resumed":
             self.turns.on_speech_resumed(0)
         elif kind == "endpoint_candidate":
@@ -254,15 +253,8 @@ class LlmScorer:
             self._replies.add(task)
             task.add_done_callback(self._replies.discard)
 
-    def _prefill(self, user_text: str) -> None:  # one call at a time, the newest words next, as the gateway does
-        self._prefill_next = user_text
-        if self._prefill_task is None or self._prefill_task.done():
-            self._prefill_task = asyncio.ensure_future(self._prefills())
-
-    async def _prefills(self) -> None:
-        while (user_text := self._prefill_next) is not None and not self._replies:
-            self._prefill_next = None
-            await self.engine.prefill(SESSION, [Message("user", user_text)])
+    async def _prefill(self, user_text: str) -> None:
+        await self.engine.prefill(SESSION, [Message("user", user_text)])
 
     async def _reply(self, stream: RecognitionStream, candidate: asr_pb2.EndpointCandidate) -> None:
         if not candidate.text.strip():
@@ -282,10 +274,9 @@ class LlmScorer:
                 stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
 
     async def settle(self) -> None:
-        tasks = [*self._replies, *([self._prefill_task] if self._prefill_task else [])]
-        for task in tasks:
+        for task in list(self._replies):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self._replies, self._prefills.close(), return_exceptions=True)
 
 
 async def run_one(

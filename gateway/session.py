@@ -31,6 +31,7 @@ from voicemesh import stages, telemetry
 from voicemesh.clients import epoch_us
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2, tts_pb2
+from voicemesh.workers import Newest
 
 log = logging.getLogger(__name__)
 TRACER = telemetry.tracer(__name__)
@@ -205,8 +206,8 @@ class Session:
         self._tts_down_since: float | None = None  # the TTS stream broke off then and is not back yet
         self._tts_heard_ms = 0.0  # the last event of the TTS stream (or its start)
         self._replies: dict[int, Reply] = {}
-        self._prefill_task: asyncio.Task[None] | None = None
-        self._prefill_next: str | None = None  # the newest partial's words, waiting for the prefill in flight
+        # A reply on its way evaluates the prompt in its own call.
+        self._prefills = Newest(self._prefill, held=lambda: bool(self._replies) or self._closing)
         self._current: Reply | None = None
         self._discarded = 0
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -312,8 +313,7 @@ class Session:
             self._tick_handle.cancel()
         for reply in list(self._replies.values()):
             self._cancel_reply(reply)
-        if self._prefill_task is not None:
-            self._prefill_task.cancel()
+        await self._prefills.close()
         self.playout.flush()
         for queue in (self._asr_queue, self._tts_queue):
             if queue is not None:
@@ -427,7 +427,7 @@ class Session:
                 case turn.StartReply(reply_id, user_text, speculative):
                     self._start_reply(reply_id, user_text, speculative)
                 case turn.Prefill(user_text):
-                    self._prefill(user_text)
+                    self._prefills.offer(user_text)
                 case turn.CancelReply(reply_id):
                     reply = self._replies.get(reply_id)
                     if reply is not None:
@@ -503,26 +503,16 @@ class Session:
         reply.llm_task = asyncio.ensure_future(self._supervised("llm", functools.partial(self._generate, reply)))
         return reply
 
-    def _prefill(self, user_text: str) -> None:
-        """One prefill call at a time: words of newer partials wait for the one in flight, and only the newest go."""
-        self._prefill_next = user_text
-        if self._prefill_task is None or self._prefill_task.done():
-            self._prefill_task = asyncio.ensure_future(self._prefills())
-
-    async def _prefills(self) -> None:
-        while (user_text := self._prefill_next) is not None and not self._closing:
-            self._prefill_next = None
-            if self._replies:  # a reply is on its way: its own call evaluates the prompt
-                return
-            request = llm_pb2.PrefillRequest(session_id=self.options.session_id, messages=self._messages(user_text))
-            try:
-                await self.backends.prefill(request)
-            except grpc.aio.AioRpcError as error:  # best effort: the reply then evaluates these words itself
-                telemetry.PREFILLS.labels("failed").inc()
-                log.info(
-                    "prefill failed",
-                    extra={"session_id": self.options.session_id, "code": error.code().name, "reason": error.details()},
-                )
+    async def _prefill(self, user_text: str) -> None:
+        request = llm_pb2.PrefillRequest(session_id=self.options.session_id, messages=self._messages(user_text))
+        try:
+            await self.backends.prefill(request)
+        except grpc.aio.AioRpcError as error:  # best effort: the reply then evaluates these words itself
+            telemetry.PREFILLS.labels("failed").inc()
+            log.info(
+                "prefill failed",
+                extra={"session_id": self.options.session_id, "code": error.code().name, "reason": error.details()},
+            )
 
     def _commit(self, reply: Reply, user_text: str) -> None:
         """The user's turn is final: the reply becomes the current one and may be heard."""

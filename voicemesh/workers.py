@@ -8,7 +8,7 @@ import functools
 import heapq
 import itertools
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 from voicemesh import cpus
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -100,3 +101,31 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Newest(Generic[T]):
+    """Runs `work(value)` for the values offered, one call at a time: a value offered while a call runs waits for
+    it, and only the newest of those runs next (the words of a partial transcript, superseded by the next one).
+    Nothing runs while `held()` is true."""
+
+    def __init__(self, work: Callable[[T], Awaitable[None]], held: Callable[[], bool] = lambda: False) -> None:
+        self._work = work
+        self._held = held
+        self._next: T | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def offer(self, value: T) -> None:
+        self._next = value
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while (value := self._next) is not None and not self._held():
+            self._next = None
+            await self._work(value)
+
+    async def close(self) -> None:
+        """Cancel the call in flight, if any, and wait for it to end."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

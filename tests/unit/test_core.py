@@ -9,7 +9,7 @@ from voicemesh.audio import Framer, StreamResampler, float_to_pcm16, pcm16_to_fl
 from voicemesh.errors import RequestError
 from voicemesh.frames import FrameChecker
 from voicemesh.v1 import audio_pb2
-from voicemesh.workers import WorkerPool
+from voicemesh.workers import Newest, WorkerPool
 
 
 def frame(seq: int, data: bytes = b"\x00\x00" * 320, rate: int = 16000, encoding: int = 1) -> audio_pb2.AudioFrame:
@@ -149,3 +149,32 @@ def test_audio_faster_than_real_time_is_refused_beyond_the_allowed_lead() -> Non
     for seq in range(500):  # 10 s at real pace is fine
         now[0] = seq * 0.02
         real_time.check(audio_pb2.AudioFrame(data=frame, seq=seq, encoding=audio_pb2.AUDIO_ENCODING_PCM16LE))
+
+
+async def test_newest_runs_one_call_at_a_time_and_only_the_newest_waiting_value() -> None:
+    started: list[str] = []
+    release = asyncio.Event()
+    held = False
+
+    async def work(value: str) -> None:
+        started.append(value)
+        await release.wait()
+
+    newest = Newest(work, held=lambda: held)
+    newest.offer("a")
+    await asyncio.sleep(0)
+    newest.offer("b")
+    newest.offer("c")  # "b" was superseded while "a" ran
+    release.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert started == ["a", "c"]
+    held = True
+    newest.offer("d")
+    await asyncio.sleep(0)
+    assert started == ["a", "c"], "nothing runs while held"
+    held, release = False, asyncio.Event()
+    newest.offer("e")
+    await asyncio.sleep(0)
+    await newest.close()  # cancels "e" mid-call
+    assert started == ["a", "c", "e"]
