@@ -157,7 +157,7 @@ class LlamaBatchEngine:
         # Once a reply's urgent words are out, it sits out the steps of this long: the TTS synthesizing them shares
         # the cores (other replies' steps go on).
         self.first_chunk_yield_s = first_chunk_yield_s
-        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True, prefills=True)
+        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
         self._threads = n_threads_batch
@@ -413,7 +413,8 @@ class LlamaBatchEngine:
         cached = min(common_prefix(resident.tokens, reply.prompt), len(reply.prompt) - (not reply.prefill))
         if reply.word is not None:
             cached = min(cached, reply.word)  # its logits are read as it is evaluated
-        llama_cpp.llama_memory_seq_rm(memory, seq, cached, -1)
+        if cached < len(reply.prompt):  # a prefill of words all cached keeps what follows them too
+            llama_cpp.llama_memory_seq_rm(memory, seq, cached, -1)
         reply.cached = reply.position = cached
         reply.pending = reply.prompt[cached:]
         reply.admitted_ns = time.monotonic_ns()
@@ -422,8 +423,8 @@ class LlamaBatchEngine:
         """The reply leaves the batch; its sequence keeps what it evaluated for the session's next turn."""
         self._active.remove(reply)
         resident = self._residents[reply.seq]
-        evaluated = reply.prompt + reply.generated
-        resident.tokens = evaluated[: reply.position]
+        if not (reply.prefill and reply.cached == len(reply.prompt)):  # a prefill of cached words changed nothing
+            resident.tokens = (reply.prompt + reply.generated)[: reply.position]
         resident.busy = False
         resident.used = time.monotonic()
 

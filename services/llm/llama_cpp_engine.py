@@ -218,7 +218,7 @@ class LlamaCppEngine:
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(
-            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns, prefills=True
+            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns
         )
         self._slot_count = slots
         self._slots: list[_Slot] = []
@@ -500,12 +500,13 @@ class LlamaCppEngine:
         if len(tokens) > self.n_ctx - 8:
             raise ValueError(f"prompt has {len(tokens)} tokens; at most {self.n_ctx - 8} fit")
         cached = self._take_over(slot, session_id, tokens)
+        if cached == len(tokens):  # all cached: what follows them stays too
+            return Prefilled(len(tokens), cached, 0)
         llama.n_tokens = cached  # eval drops the cache past it
         # In steps, so that a call that comes meanwhile waits for no more than one of them.
         while llama.n_tokens < len(tokens) and not self._waiters:
             llama.eval(tokens[llama.n_tokens : llama.n_tokens + PREFILL_STEP_TOKENS])
-        if llama.n_tokens > cached:
-            self._save_state(session_id, llama)
+        self._save_state(session_id, llama)
         return Prefilled(len(tokens), cached, llama.n_tokens - cached)
 
     def _step_aside(self, cancel: threading.Event) -> None:

@@ -99,6 +99,15 @@ async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest(engi
     assert _text(chunks).strip() and "\n" not in _text(chunks)
 
 
+async def test_a_prefill_of_words_already_cached_keeps_what_follows_them(engines) -> None:
+    engine = engines["urgent_first"]
+    first = await _chunks(engine, "kept", WHOLE)
+    done = await engine.prefill("kept", [Message("user", PARTIAL)])  # the start of what the cache holds
+    assert done.evaluated_tokens == 0 and done.cached_tokens == done.prompt_tokens, done
+    again = await _chunks(engine, "kept", WHOLE)
+    assert again[-1].cached_prompt_tokens == first[-1].prompt_tokens - 1, "all but the token it samples from"
+
+
 async def test_a_reply_that_comes_during_its_sessions_prefill_ends_it_and_keeps_what_it_evaluated(engines) -> None:
     engine = engines["urgent_first"]
     words = " ".join(["We walked along the river and talked about the old days"] * 6)  # several prefill steps

@@ -59,6 +59,10 @@ async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest_and_
     request = GenerationRequest("prefilled", [Message("user", whole)], max_tokens=8, score_turn_end=True)
     last = [chunk async for chunk in engine.generate(request)][-1]
     assert last.cached_prompt_tokens >= done.prompt_tokens, (done, last)
+    again = await engine.prefill("prefilled", [Message("user", partial)])  # the start of what the slot holds
+    assert again.evaluated_tokens == 0 and again.cached_tokens == again.prompt_tokens
+    last_again = [chunk async for chunk in engine.generate(request)][-1]
+    assert last_again.cached_prompt_tokens >= last.prompt_tokens - 1, "what followed the words stayed cached"
     busy = asyncio.ensure_future(_reply(engine, "busy", LONG, start=LONG_START))
     await asyncio.sleep(0.05)
     started = time.monotonic()
