@@ -142,6 +142,9 @@ class Backends:
         # The LLM answers score_turn_end (llama.cpp does, vLLM does not): learnt from its replies, so the ASR is
         # told to wait for a score only when one will come.
         self.llm_scores_turn_end = True
+        # LLM replicas whose engine never prefills (vLLM), as they said: no more Prefills go to them. A new replica
+        # (another address) is asked again.
+        self.llm_prefill_unsupported: set[str] = set()
 
     async def start(self) -> None:
         """Resolve the replica sets once, then keep them fresh and health-checked in the background."""
@@ -248,14 +251,22 @@ class Backends:
     def llm_order(self, session_id: str) -> list[str]:
         return self.sets["llm"].sticky_order(session_id)
 
-    async def prefill(self, request: llm_pb2.PrefillRequest) -> llm_pb2.PrefillResponse:
-        """Load a session's dialogue into the cache of the replica its next Generate goes to first. No failover: a
-        failure only costs the reply the evaluation this would have saved it."""
+    async def prefill(self, request: llm_pb2.PrefillRequest) -> llm_pb2.PrefillResponse | None:
+        """Load a session's dialogue into the cache of the replica its next Generate goes to first; None: that
+        replica said its engine never prefills. No failover: a failure only costs the reply the evaluation this
+        would have saved it."""
         ranking = self.llm_order(request.session_id)
         if not ranking:
             raise unavailable("no LLM replica is up")
-        call = llm_pb2_grpc.GeneratorStub(self.channel(ranking[0])).Prefill
-        return await call(request, metadata=self.metadata(), timeout=LLM_PREFILL_DEADLINE_S)
+        target = ranking[0]
+        if target in self.llm_prefill_unsupported:
+            return None
+        call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Prefill
+        response = await call(request, metadata=self.metadata(), timeout=LLM_PREFILL_DEADLINE_S)
+        if response.unsupported:
+            log.info("the LLM replica never prefills; no more prefills go to it", extra={"target": target})
+            self.llm_prefill_unsupported.add(target)
+        return response
 
     async def generate(
         self,

@@ -70,6 +70,8 @@ class EngineCapabilities:
     yields_to_new_turns: bool = False
     """A reply past its urgent words gives its slot up to a new request between two tokens: a newcomer waits only
     for the urgent words of those ahead of it, not for whole replies."""
+    prefills: bool = False
+    """Answers `prefill` by evaluating the dialogue into a cache of its own; otherwise it never does anything."""
 
 
 class Engine(Protocol):

@@ -157,7 +157,7 @@ class LlamaBatchEngine:
         # Once a reply's urgent words are out, it sits out the steps of this long: the TTS synthesizing them shares
         # the cores (other replies' steps go on).
         self.first_chunk_yield_s = first_chunk_yield_s
-        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True)
+        self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True, prefills=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
         self._threads = n_threads_batch

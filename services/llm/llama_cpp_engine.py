@@ -218,7 +218,7 @@ class LlamaCppEngine:
         self.n_ctx = n_ctx
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(
-            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns
+            max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns, prefills=True
         )
         self._slot_count = slots
         self._slots: list[_Slot] = []

@@ -253,6 +253,10 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         check_session_id(request.session_id)
         messages = to_messages(request.messages)
         response = llm_pb2.PrefillResponse(replica=self.replica)
+        if not self.engine.capabilities.prefills:
+            telemetry.PREFILLS.labels("skipped").inc()
+            response.skipped = response.unsupported = True
+            return response
         with self.calls.hold():
             try:
                 done = await self.engine.prefill(request.session_id, messages)

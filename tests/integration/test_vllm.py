@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from gateway.backends import Backends
 from services.llm.convert_gguf import default_model_dir, is_converted
 from tests.conftest import ROOT, free_port
 from tests.integration.helpers import expect_error
@@ -130,7 +131,19 @@ async def test_a_prefill_is_answered_at_once_with_nothing_evaluated(vllm_llm: st
     request = llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=[llm_pb2.ChatMessage(role=USER, content="Hi")])
     async with grpc.aio.insecure_channel(vllm_llm) as channel:
         done = await llm_pb2_grpc.GeneratorStub(channel).Prefill(request)
-    assert done.skipped and done.evaluated_tokens == 0 and done.replica, "vLLM caches prefixes itself"
+    assert done.skipped and done.unsupported and done.evaluated_tokens == 0 and done.replica, "it caches prefixes"
+
+
+async def test_a_gateway_stops_sending_prefills_to_a_replica_that_never_prefills(vllm_llm: str) -> None:
+    backends = Backends(vllm_llm, vllm_llm, vllm_llm)
+    await backends.start()
+    request = llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=[llm_pb2.ChatMessage(role=USER, content="Hi")])
+    try:
+        first = await backends.prefill(request)
+        assert first is not None and first.unsupported
+        assert await backends.prefill(request) is None, "learnt: no second call"
+    finally:
+        await backends.close()
 
 
 async def test_cancel_mid_stream_frees_the_sequence_at_once(vllm_llm: str) -> None:
