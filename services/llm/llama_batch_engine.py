@@ -365,13 +365,14 @@ class LlamaBatchEngine:
         for reply in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(reply)
             reply.put(None)
-        # A reply ends its session's prefill: what that evaluated stays in the sequence, which the reply then takes.
-        replying = {r.request.session_id for r in [*self._waiting, *self._active] if not r.prefill}
-        for reply in [r for r in self._active if r.prefill and r.request.session_id in replying]:
-            self._end_prefill(reply)
-        for reply in [r for r in self._waiting if r.prefill and r.request.session_id in replying]:
-            self._waiting.remove(reply)
-            reply.put(None)
+        # A reply, of any session, ends a prefill (the engine is no longer idle): what it evaluated stays in its
+        # session's sequence, which that session's reply then takes.
+        if any(not r.prefill for r in [*self._waiting, *self._active]):
+            for reply in [r for r in self._active if r.prefill]:
+                self._end_prefill(reply)
+            for reply in [r for r in self._waiting if r.prefill]:
+                self._waiting.remove(reply)
+                reply.put(None)
         while self._waiting and len(self._active) < self.max_batch:
             reply = self._waiting.popleft()
             try:

@@ -51,6 +51,16 @@ class PiperEngine:
         for chunk in voices[self.capabilities.voice(voice).name].synthesize(text):
             yield chunk.audio_float_array
 
+    def warm_up(self) -> None:
+        """One synthesis on each onnxruntime session (the first run allocates its buffers), each session once."""
+        sessions = {
+            id(voice): (name, urgent)
+            for urgent, voices in ((True, self._urgent), (False, self._voices))
+            for name, voice in voices.items()
+        }
+        for name, urgent in sessions.values():
+            list(self.synthesize("Ready.", name, urgent=urgent))
+
     def threads(self, urgent: bool = False) -> int:
         """The onnxruntime threads that synthesize urgent text, or the rest."""
         voice = next(iter((self._urgent if urgent else self._voices).values()))

@@ -395,9 +395,7 @@ class SynthesizerServicer(tts_pb2_grpc.SynthesizerServicer):
         engine = PiperEngine(
             paths, intra_op_threads=self.settings.intra_op_threads, urgent_threads=self.settings.first_chunk_threads
         )
-        for voice in engine.capabilities.voices:
-            for urgent in (False, True):
-                list(engine.synthesize("Ready.", voice.name, urgent=urgent))  # warm-up
+        engine.warm_up()
         self.engine = engine
         log.info("voices loaded", extra={"voices": [voice.name for voice in engine.capabilities.voices]})
 
