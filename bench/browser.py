@@ -227,7 +227,8 @@ async def measure(url: str, transport: str, wav: Path, turns: int, timeout_s: fl
         "turns_with_hops": min((len(values) for values in hops.values()), default=0),
         "underrun_rate": round(underrun_turns / len(measured), 3) if measured else None,
         "jitter_buffer": state["jitter"],
-        "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),
+        "webrtc_jitter_buffer_target_ms": state.get("rtcJitterTargetMs"),  # at the end: raised after late replies
+        "webrtc_jitter_buffer_raises": state.get("rtcJitterRaises"),
         "webrtc_jitter_buffer_mean_ms": state.get("rtcJitterBufferMs"),
         "webrtc_output_delay_ms": state.get("rtcOutputDelayMs"),
         "webrtc_concealed_ms": [round(t["rtc_concealed_ms"], 1) for t in measured if "rtc_concealed_ms" in t],

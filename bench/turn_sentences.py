@@ -1,7 +1,13 @@
-"""Sentences for scoring end of turn on text alone, word by word (`python -m bench.turns --text`): everyday requests
-of the kind people say to a voice assistant, written for this bench (not transcripts of ../shared/audio). Many have
-a clause end inside ("..., so", "... but"), where a pause is most often mistaken for the end. The `tune` half is
-what thresholds may be chosen on; the `check` half says whether they generalise."""
+"""Sentences for scoring end of turn on text alone, word by word (`python -m bench.turns --text`).
+
+TUNE and CHECK: everyday requests of the kind people say to a voice assistant, written for this bench (not
+transcripts of ../shared/audio). Many have a clause end inside ("..., so", "... but"), where a pause is most often
+mistaken for the end. The `tune` half is what thresholds may be chosen on; the `check` half says whether they
+generalise.
+
+READ: read speech, the other kind of English a voice system is tested with (../shared/audio's clips are read
+sentences): the first 40 Harvard sentences (IEEE Recommended Practice for Speech Quality Measurements, 1969, lists
+1-4), standalone statements with no conversation around them. No threshold was chosen on them."""
 
 TUNE = (
     "Can you tell me what the weather will be like tomorrow?",
@@ -46,4 +52,46 @@ CHECK = (
     "Play some relaxing music.",
     "If I leave now, will I make it before the shop closes?",
     "My grandmother makes the best apple pie in the world.",
+)
+READ = (
+    "The birch canoe slid on the smooth planks.",
+    "Glue the sheet to the dark blue background.",
+    "It's easy to tell the depth of a well.",
+    "These days a chicken leg is a rare dish.",
+    "Rice is often served in round bowls.",
+    "The juice of lemons makes fine punch.",
+    "The box was thrown beside the parked truck.",
+    "The hogs were fed chopped corn and garbage.",
+    "Four hours of steady work faced us.",
+    "A large size in stockings is hard to sell.",
+    "The boy was there when the sun rose.",
+    "A rod is used to catch pink salmon.",
+    "The source of the huge river is the clear spring.",
+    "Kick the ball straight and follow through.",
+    "Help the woman get back to her feet.",
+    "A pot of tea helps to pass the evening.",
+    "Smoky fires lack flame and heat.",
+    "The soft cushion broke the man's fall.",
+    "The salt breeze came across from the sea.",
+    "The girl at the booth sold fifty bonds.",
+    "The small pup gnawed a hole in the sock.",
+    "The fish twisted and turned on the bent hook.",
+    "Press the pants and sew a button on the vest.",
+    "The swan dive was far short of perfect.",
+    "The beauty of the view stunned the young boy.",
+    "Two blue fish swam in the tank.",
+    "Her purse was full of useless trash.",
+    "The colt reared and threw the tall rider.",
+    "It snowed, rained, and hailed the same morning.",
+    "Read verse out loud for pleasure.",
+    "The wide road shimmered in the hot sun.",
+    "The lazy cow lay in the cool grass.",
+    "Lift the square stone over the fence.",
+    "The rope will bind the seven books at once.",
+    "Hop over the fence and plunge in.",
+    "The friendly gang left the drug store.",
+    "Mesh wire keeps chicks inside.",
+    "The frosty air passed through the coat.",
+    "The crooked maze failed to fool the mouse.",
+    "Adding fast leads to wrong sums.",
 )

@@ -19,9 +19,9 @@ Reported per policy: the false cut-off rate (a turn committed before the utteran
 to 600 ms and over all; dead air (speech end -> commit, p50/p95) on complete utterances; how long truncated
 utterances waited; per pause, how each signal (audio, text, fused) scored it. `python -m bench.turns`.
 
-`python -m bench.turns --text` scores text alone, word by word through 40 sentences written for it
-(bench/turn_sentences.py, a tune and a check half), with the LLM service's engine: how long the finished ones wait,
-and how many points inside a sentence would commit within a 400 or 600 ms pause.
+`python -m bench.turns --text` scores text alone, word by word through the sentences of bench/turn_sentences.py
+(40 written for it, a tune and a check half; 40 read-speech Harvard sentences), with the LLM service's engine: how
+long the finished ones wait, and how many points inside a sentence would commit within a 400 or 600 ms pause.
 """
 
 from __future__ import annotations
@@ -415,7 +415,7 @@ async def text_scores() -> dict[str, object]:
     word would be scored (with the full stop Whisper puts at a pause), and the wait each score sets: the finished
     sentences' waits (short is right), and how many points inside a sentence would commit within a 400 or 600 ms
     pause (a cut-off there)."""
-    from bench.turn_sentences import CHECK, TUNE
+    from bench.turn_sentences import CHECK, READ, TUNE
 
     policy = EndpointingPolicy()
 
@@ -426,7 +426,7 @@ async def text_scores() -> dict[str, object]:
     await engine.start()
     report: dict[str, object] = {}
     try:
-        for split, sentences in (("tune", TUNE), ("check", CHECK)):
+        for split, sentences in (("tune", TUNE), ("check", CHECK), ("read", READ)):
             finished: list[tuple[float, str]] = []
             inside: list[tuple[float, str]] = []
             for index, sentence in enumerate(sentences):

@@ -4,7 +4,8 @@
 // Query options: transport=auto|webrtc|websocket, simulate=ice-blocked (drop ICE candidates, as a network that
 // blocks UDP would), max_tokens=N, system_prompt=..., aec=0 (no echo cancellation), autostart=1,
 // jitter_ms=N (the WebSocket jitter buffer's starting and lowest target; default 60),
-// rtc_jitter_ms=N (the WebRTC receiver's jitterBufferTarget; default 0 = as low as the network allows; -1 = unset).
+// rtc_jitter_ms=N (the WebRTC receiver's starting jitterBufferTarget, raised after a reply that came too late;
+// default 40; 0 = as low as the network allows; -1 = Chromium's own, never raised).
 // A gateway that wants a credential gets it from the fragment: open the page as /#token=... . A fragment never
 // reaches a server, so the token stays out of access logs; it goes in a header, or in the WebSocket's first message.
 
@@ -13,6 +14,15 @@ const token = new URLSearchParams(location.hash.slice(1)).get("token") || "";
 function authHeader() {
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
+// The WebRTC receiver's jitter buffer target: where it starts, and how it grows after a reply whose packets came
+// too late for it (Chromium concealed audio), as the WebSocket buffer grows after an underrun. Measured on 2 cores
+// beside the mesh (`python -m bench.browser --turns 40`, targets side by side, three runs): at 0 Chromium kept
+// ~33-46 ms of audio and concealed in 10 of 80 turns (up to 32.5 ms); at 40, ~47-55 ms and 5 of 120 (2.5-22.5 ms);
+// at 80, ~88 ms and 0 of 40, the downlink hop 50 ms longer than at 40. So it starts at 40 and steps to 80 once a
+// reply came late. Chromium still raises its buffer on a network that jitters more.
+const RTC_JITTER_TARGET_MS = 40;
+const RTC_JITTER_STEP_MS = 40;
+const RTC_JITTER_MAX_MS = 200;
 const option = {
   transport: params.get("transport") || "auto",
   iceBlocked: params.get("simulate") === "ice-blocked",
@@ -20,7 +30,7 @@ const option = {
   systemPrompt: params.get("system_prompt") || "",
   echoCancellation: params.get("aec") !== "0",
   autostart: params.get("autostart") === "1",
-  rtcJitterMs: Number(params.get("rtc_jitter_ms") ?? 0),
+  rtcJitterMs: Number(params.get("rtc_jitter_ms") ?? RTC_JITTER_TARGET_MS),
 };
 // Loopback and LAN links jitter by a few ms; the gateway sends a reply's first 100 ms at once, then in real time.
 // So playback starts after 60 ms of audio, and an underrun the network caused grows the target by a step.
@@ -56,13 +66,14 @@ const state = {
   // underruns: the audio ran out because it came late (the network); starved: because the gateway had none yet.
   jitter: { jitterMs: 0, targetMs: JITTER_START_MS, underruns: 0, starved: 0, underrunTurns: [] },
   rtcJitterTargetMs: null, // the WebRTC receiver's jitterBufferTarget as Chromium took it (null: not set)
+  rtcJitterRaises: 0, // how often a reply that came too late raised it
   rtcJitterBufferMs: null, // the WebRTC receiver's mean jitter buffer delay (getStats), ms
   rtcOutputDelayMs: null, // the WebRTC track's output delay (getStats media-playout), ms: delivered -> heard
   rtcConcealedAtTurn: null, // {index, concealed}: the receiver's concealed non-silent samples when a turn played
   error: null,
   closed: null,
 };
-window.voicemesh = { state, start, stop, simulateNetworkLoss };
+window.voicemesh = { state, start, stop, simulateNetworkLoss, raiseRtcJitterTarget };
 
 let config = null; // /api/config
 let ctx = null;
@@ -278,6 +289,18 @@ function measureHops(t) {
   t.hops = hops;
 }
 
+// A reply came too late for the WebRTC receiver's buffer: a step longer, up to RTC_JITTER_MAX_MS (not where the
+// page was told to leave Chromium's default, rtc_jitter_ms=-1).
+function raiseRtcJitterTarget() {
+  const receiver = rtc && rtc.receiver;
+  if (!receiver || option.rtcJitterMs < 0 || !("jitterBufferTarget" in receiver)) return;
+  const current = receiver.jitterBufferTarget || 0;
+  if (current >= RTC_JITTER_MAX_MS) return;
+  receiver.jitterBufferTarget = Math.min(RTC_JITTER_MAX_MS, current + RTC_JITTER_STEP_MS);
+  state.rtcJitterTargetMs = receiver.jitterBufferTarget;
+  state.rtcJitterRaises += 1;
+}
+
 // WebRTC's receiver, from getStats: the mean jitter buffer delay so far, audio it had to invent because packets
 // came late (concealed samples that were not silence), counted per turn from the first played sample, and the
 // output device's delay (media-playout: from the moment the track's audio is pulled to the moment it is heard).
@@ -296,6 +319,7 @@ async function sampleRtcStats(t) {
     if (state.rtcConcealedAtTurn !== null) {
       const previous = turn(state.rtcConcealedAtTurn.index);
       previous.rtc_concealed_ms = ((concealed - state.rtcConcealedAtTurn.concealed) / ctx.sampleRate) * 1000;
+      if (previous.rtc_concealed_ms > 0) raiseRtcJitterTarget();
     }
     state.rtcConcealedAtTurn = { index: t.index, concealed };
     if (report.jitterBufferEmittedCount) {

@@ -56,11 +56,16 @@ async def test_over_webrtc_the_page_shows_the_transcript_and_plays_the_reply(pla
         playout_reported = await reported("playout", playouts)
         shown = await page.page.inner_text("#conversation")
         latency_rows = await page.page.locator("#latency tbody tr").count()
+        # What the page does after a reply Chromium had to conceal: the receiver's target grows by steps, capped.
+        for _ in range(6):
+            await page.page.evaluate("window.voicemesh.raiseRtcJitterTarget()")
+        raised = await page.state()
         await page.page.click("#mic")  # stop: the gateway lets the reply finish, then ends the session
         ended = await page.wait_until("s.status === 'ended'", TURN_TIMEOUT_S)
     assert state["transport"] == "webrtc" and state["fallbackReason"] is None
     assert "connected" in state["iceStates"]
-    assert state["rtcJitterTargetMs"] == 0, "Chromium took the receiver's low jitter buffer target"
+    assert state["rtcJitterTargetMs"] == 40, "Chromium took the receiver's starting jitter buffer target"
+    assert raised["rtcJitterTargetMs"] == 200 and raised["rtcJitterRaises"] >= 4, "raised in steps up to 200 ms"
     kinds = {e["type"] for e in state["events"]}
     assert {"started", "user_partial", "user_final", "reply_text"} <= kinds
     turn = heard_turns(state)[0]
