@@ -16,10 +16,11 @@ function authHeader() {
 }
 // The WebRTC receiver's jitter buffer target: where it starts, and how it grows after a reply whose packets came
 // too late for it (Chromium concealed audio), as the WebSocket buffer grows after an underrun. Measured on 2 cores
-// beside the mesh (`python -m bench.browser --turns 40`, targets side by side, three runs): at 0 Chromium kept
-// ~33-46 ms of audio and concealed in 10 of 80 turns (up to 32.5 ms); at 40, ~47-55 ms and 5 of 120 (2.5-22.5 ms);
-// at 80, ~88 ms and 0 of 40, the downlink hop 50 ms longer than at 40. So it starts at 40 and steps to 80 once a
-// reply came late. Chromium still raises its buffer on a network that jitters more.
+// beside the mesh (`python -m bench.browser --turns 40`, targets side by side, three runs) while the benchmark's
+// own polling still took ~0.15 core: at 0 Chromium kept ~33-46 ms of audio and concealed in 10 of 80 turns (up to
+// 32.5 ms); at 40, ~47-55 ms and 5 of 120 (2.5-22.5 ms); at 80, ~88 ms and 0 of 40, the downlink hop 50 ms longer
+// than at 40. Without that load, at 40: ~49 ms kept and 0 of 78 turns concealed (two runs). So it starts at 40 and
+// steps to 80 once a reply came late. Chromium still raises its buffer on a network that jitters more.
 const RTC_JITTER_TARGET_MS = 40;
 const RTC_JITTER_STEP_MS = 40;
 const RTC_JITTER_MAX_MS = 200;
@@ -37,6 +38,7 @@ const option = {
 const JITTER_START_MS = Math.max(20, Number(params.get("jitter_ms") || 60));
 const JITTER_MAX_MS = 800;
 const UNDERRUN_STEP_MS = 40;
+const EVENTS_KEPT = 500; // state.events keeps the latest; a partial transcript comes every ~200 ms of speech
 const RTC_LOUD = 0.001; // a WebRTC packet's audio level (0-1, linear) above this is sound: -60 dBov, silence is 0
 const RTC_SILENT_AFTER_MS = 100; // a WebRTC reply stopped playing once no loud packet came for this long
 const RTC_POLL_MS = 5; // how often the page asks the WebRTC receiver which packet it delivered last
@@ -53,7 +55,7 @@ const state = {
   resumeToken: "", // from the gateway: resumes this session (a reconnect, the WebRTC -> WebSocket move)
   fallbackReason: null,
   iceStates: [],
-  events: [],
+  events: [], // the gateway's latest events (EVENTS_KEPT), oldest first
   // index -> {user_text, reply_text, played_ms, speech_end_ms, v2v_ms, metrics, interrupted, received_ms, hops}
   turns: {},
   speechEnds: [], // epoch ms of the ends of the user's speech, as the microphone heard them
@@ -159,6 +161,7 @@ function renderLatency(t) {
 // ---- events (the same for both transports) ----------------------------------------------------------------------
 function onEvent(message) {
   state.events.push(message);
+  if (state.events.length > EVENTS_KEPT) state.events.splice(0, state.events.length - EVENTS_KEPT);
   const t = message.turn_index;
   switch (message.type) {
     case "started":
