@@ -7,12 +7,15 @@ The set, built from the real clips in ../shared/audio (word times from Whisper):
   variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR;
   hesitation the clip, then "um" (Piper's voice at the speaker's level) and a 600 ms pause, then the clip again: a
              speaker who finished a sentence, hesitated and went on. A commit in the pause is a cut-off.
-Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream with the real
-Silero VAD, Whisper tiny.en and the Smart Turn scorer, once per policy. The `llm` policy plays the gateway's
-part too: each endpoint candidate starts a reply on the real Gemma engine, whose P(turn end) goes back to the
-stream as a TurnScore, and the reply runs on, competing for the cores as it would live; while the user speaks, the
-partials' words are prefilled into the engine as the gateway's turn controller decides (`llm_no_prefill`, not in the
-default run: without). Clips are split: the thresholds were
+Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream, built as the ASR
+service builds it (Silero VAD, Whisper tiny.en, the partials' own decoder) with the Smart Turn scorer, once per
+policy; the ASR's and LLM's threads are those a local mesh on this machine's cores gets (`voicemesh up`), or the
+VOICEMESH_ASR_*/VOICEMESH_LLM_* settings in the environment. The `llm` policy plays the gateway's part too, through
+its TurnController: partial transcripts are prefilled into the real Gemma engine while the user speaks; each
+endpoint candidate starts a speculative reply, and its P(turn end) goes back to the stream as a TurnScore, at once
+when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
+on speaking, competing for the cores as it would live. Not in the default run: `llm_no_prefill` (no prefills) and
+`llm_reply_scores` (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
 Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -37,19 +41,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from gateway.turn import Prefill, TurnController, TurnPolicy
+from gateway.turn import CancelReply, Prefill, StartReply, TurnController, TurnPolicy
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
-from services.asr.server import AsrSettings
+from services.asr.engine import Transcriber
+from services.asr.server import AsrSettings, RecognizerServicer
 from services.asr.stream import RecognitionStream
-from services.asr.vad import StreamingVad, load_session
-from services.asr.whisper_engine import WhisperTranscriber
+from services.asr.vad import StreamingVad
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
+from voicemesh import config, cpus
 from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
-from voicemesh.workers import Newest, WorkerPool
+from voicemesh.workers import Newest
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -68,6 +73,7 @@ class Policy(NamedTuple):
     audio: bool  # scored with the audio model too
     llm: bool  # scored by the LLM as the gateway does
     prefill: bool = True  # with llm: the partials' words prefilled while the user speaks, as the gateway does
+    prefill_scores: bool = True  # with prefill: a candidate whose words a prefill scored takes that score at once
 
 
 POLICIES = {
@@ -75,7 +81,9 @@ POLICIES = {
     "text": Policy(EndpointingPolicy(), False, False),
     "audio_text": Policy(EndpointingPolicy(), True, False),
     "llm": Policy(EndpointingPolicy(), False, True),
-    "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),  # not in the default run
+    # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
+    "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
+    "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
 }
 DEFAULT_POLICIES = ("fixed_288", "text", "audio_text", "llm")
 
@@ -101,7 +109,8 @@ class FinalTranscript:
     vad_speech_end_ms: int  # where the ASR's VAD heard the speech stop
     completeness: float
     hangover_ms: int
-    score_ms: float
+    score_ms: float  # first silent window -> the pause's score in (a language model's, if one came first)
+    draft_ms: float  # the final's decode, queue and compute: started at the first silent window
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,7 @@ class Outcome:
     finals: list[FinalTranscript] = field(default_factory=list)
     pauses: list[PauseScores] = field(default_factory=list)
     llm_scores: list[tuple[str, float]] = field(default_factory=list)  # (candidate, P(turn end)) per scored pause
+    prefill_scores: int = 0  # of those, scored by the prefill of a partial with the candidate's words
 
     @property
     def cut_off(self) -> bool:
@@ -164,7 +174,7 @@ def filler_audio() -> np.ndarray:
     return audio[: int(speech_end_ms(audio, 16000) * 16)]
 
 
-def build_set(transcriber: WhisperTranscriber, clip_names: list[str]) -> list[Utterance]:
+def build_set(transcriber: Transcriber, clip_names: list[str]) -> list[Utterance]:
     rng = np.random.default_rng(7)
     utterances: list[Utterance] = []
     filler = filler_audio()
@@ -222,76 +232,112 @@ class RecordingScorer(TurnScorer):
 
 
 class LlmScorer:
-    """The gateway's part: each endpoint candidate starts a reply from the real LLM engine, which scores the turn
-    end first; the score goes back to the stream, and the reply runs on (its CPU competes, as it would live). With
-    `prefill`, the partials' words go to the engine while the user speaks, as the gateway's turn controller decides."""
+    """The gateway's part, through the gateway's own `TurnController`: each endpoint candidate starts a speculative
+    reply from the real LLM engine, which scores the turn end first; the score goes back to the stream, and the reply
+    runs on until the controller cancels it (the user went on speaking) or it ends, its CPU competing as it would
+    live. With `prefill`, the partials' words go to the engine while the user speaks, as the controller decides."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scores: list[tuple[str, float]] = []
-        self._replies: set[asyncio.Task[None]] = set()
+        self.prefill_scored = 0  # pauses scored by a prefill of the candidate's words, not by its reply
+        self.prefill_scores = True
+        self._replies: dict[int, asyncio.Task[None]] = {}
+        self._reply_scores: dict[int, float] = {}  # reply id -> its P(turn end), once in
+        self._reply_pauses: dict[int, int] = {}  # reply id -> the pause its score goes to
         self.turns = TurnController(TurnPolicy(prefill_partials=False))
         self._prefills = Newest(self._prefill, held=lambda: bool(self._replies))  # one at a time, as the gateway
 
-    def new_utterance(self, prefill: bool) -> None:
+    def new_utterance(self, prefill: bool, prefill_scores: bool = True) -> None:
+        self.prefill_scores = prefill_scores
         self.scores.clear()
+        self.prefill_scored = 0
+        self._reply_scores.clear()
+        self._reply_pauses.clear()
         self.turns = TurnController(TurnPolicy(prefill_partials=prefill))
 
     def on_event(self, stream: RecognitionStream, event: asr_pb2.RecognizeEvent) -> None:
         kind = event.WhichOneof("event")
         if kind == "partial":
-            for command in self.turns.on_partial(0, event.partial.text):
-                if isinstance(command, Prefill):
-                    self._prefills.offer(command.user_text)
+            commands = self.turns.on_partial(0, event.partial.text)
         elif kind == "speech_resumed":
-            self.turns.on_speech_resumed(0)
+            commands = self.turns.on_speech_resumed(0)
         elif kind == "endpoint_candidate":
-            self.turns.on_candidate(0, event.endpoint_candidate.text.strip())
-            for task in self._replies:
-                task.cancel()  # a newer candidate replaces the speculative reply, as the gateway does
-            task = asyncio.ensure_future(self._reply(stream, event.endpoint_candidate))
-            self._replies.add(task)
-            task.add_done_callback(self._replies.discard)
+            candidate = event.endpoint_candidate
+            commands = self.turns.on_candidate(0, candidate.text.strip())
+            if not any(isinstance(c, StartReply) for c in commands):
+                self._rescore(stream, candidate.pause_id)
+        elif kind == "final":
+            commands = self.turns.on_final(0, event.final.text.strip())
+        else:
+            return
+        for command in commands:
+            if isinstance(command, Prefill):
+                self._prefills.offer(command.user_text)
+            elif isinstance(command, StartReply) and command.speculative:
+                reply_id, pause_id = command.reply_id, event.endpoint_candidate.pause_id
+                self._reply_pauses[reply_id] = pause_id
+                if command.turn_end is not None and self.prefill_scores:  # a prefill scored these words: now
+                    self.prefill_scored += 1
+                    self._scored(stream, reply_id, command.user_text, command.turn_end)
+                task = asyncio.ensure_future(self._reply(stream, reply_id, command.user_text))
+                self._replies[reply_id] = task
+                task.add_done_callback(lambda _, r=reply_id: self._replies.pop(r, None))
+            elif isinstance(command, CancelReply) and (task := self._replies.get(command.reply_id)) is not None:
+                task.cancel()
+
+    def _rescore(self, stream: RecognitionStream, pause_id: int) -> None:
+        """A candidate with the speculative reply's words: that reply scores this pause too, as in the gateway."""
+        speculative = self.turns.speculative
+        if speculative is None or speculative[0] not in self._replies:
+            stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, declined=True))
+            return
+        self._reply_pauses[speculative[0]] = pause_id
+        if (probability := self._reply_scores.get(speculative[0])) is not None:
+            stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
 
     async def _prefill(self, user_text: str) -> None:
-        await self.engine.prefill(SESSION, [Message("user", user_text)])
+        done = await self.engine.prefill(SESSION, [Message("user", user_text)])
+        self.turns.on_prefilled(user_text, done.turn_end)
 
-    async def _reply(self, stream: RecognitionStream, candidate: asr_pb2.EndpointCandidate) -> None:
-        if not candidate.text.strip():
-            stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
-            return
-        request = GenerationRequest(
-            SESSION, [Message("user", candidate.text.strip())], max_tokens=24, score_turn_end=True
-        )
-        scored = False
+    def _scored(self, stream: RecognitionStream, reply_id: int, text: str, probability: float) -> None:
+        self.scores.append((text, probability))
+        self._reply_scores[reply_id] = probability
+        stream.turn_score(asr_pb2.TurnScore(pause_id=self._reply_pauses[reply_id], probability=probability))
+
+    async def _reply(self, stream: RecognitionStream, reply_id: int, text: str) -> None:
+        scored = reply_id in self._reply_scores
+        request = GenerationRequest(SESSION, [Message("user", text)], max_tokens=24, score_turn_end=not scored)
         async for chunk in self.engine.generate(request):
             if chunk.turn_end is not None:
                 scored = True
-                self.scores.append((candidate.text, chunk.turn_end))
-                stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, probability=chunk.turn_end))
+                self._scored(stream, reply_id, text, chunk.turn_end)
             elif not scored:
                 scored = True
-                stream.turn_score(asr_pb2.TurnScore(pause_id=candidate.pause_id, declined=True))
+                stream.turn_score(asr_pb2.TurnScore(pause_id=self._reply_pauses[reply_id], declined=True))
 
     async def settle(self) -> None:
-        for task in list(self._replies):
+        for task in list(self._replies.values()):
             task.cancel()
-        await asyncio.gather(*self._replies, self._prefills.close(), return_exceptions=True)
+        await asyncio.gather(*self._replies.values(), self._prefills.close(), return_exceptions=True)
 
 
 async def run_one(
     utterance: Utterance,
     policy: EndpointingPolicy,
-    vad_session: object,
-    transcriber: WhisperTranscriber,
-    pool: WorkerPool,
+    asr: RecognizerServicer,
     scorer: RecordingScorer,
     llm: LlmScorer | None = None,
     prefill: bool = True,
+    prefill_scores: bool = True,
 ) -> Outcome:
     events: list[asr_pb2.RecognizeEvent] = []
-    config = asr_pb2.RecognitionConfig(
-        session_id="bench", sample_rate_hz=utterance.rate_hz, skip_word_timings=True, turn_scores=llm is not None
+    recognition = asr_pb2.RecognitionConfig(  # as the gateway asks
+        session_id="bench",
+        sample_rate_hz=utterance.rate_hz,
+        interim_results=True,
+        skip_word_timings=True,
+        turn_scores=llm is not None,
     )
 
     def emit(event: asr_pb2.RecognizeEvent) -> None:
@@ -299,9 +345,11 @@ async def run_one(
         if llm is not None:
             llm.on_event(stream, event)
 
-    stream = RecognitionStream(config, policy, StreamingVad(vad_session), transcriber, pool, emit, scorer)
+    assert asr.transcriber is not None
+    vad = StreamingVad(asr.vad_session)
+    stream = RecognitionStream(recognition, policy, vad, asr.transcriber, asr.pool, emit, scorer, partials=asr.partials)
     if llm is not None:
-        llm.new_utterance(prefill)
+        llm.new_utterance(prefill, prefill_scores)
     audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
     frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
     scorer.records.clear()
@@ -327,10 +375,12 @@ async def run_one(
                     completeness=round(event.final.completeness, 3),
                     hangover_ms=event.final.hangover_ms,
                     score_ms=round(event.final.score_ms, 1),
+                    draft_ms=round(event.timing.queue_ms + event.timing.compute_ms, 1),
                 )
             )
     outcome.pauses = list(scorer.records)
     outcome.llm_scores = list(llm.scores) if llm is not None else []
+    outcome.prefill_scores = llm.prefill_scored if llm is not None else 0
     return outcome
 
 
@@ -370,6 +420,8 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
         "false_cutoffs_after_hesitation": rate(hesitant),
         "truncated_wait_ms": [round(a, 1) if (a := o.dead_air_ms) is not None else None for o in truncated],
         "missed": [o.utterance for o in whole if not o.finals],
+        "llm_scores": sum(len(o.llm_scores) for o in outcomes),
+        "llm_scores_from_prefill": sum(o.prefill_scores for o in outcomes),
     }
     for split in ("tune", "check"):
         rows = [o for o in up_to_600 if o.split == split]
@@ -458,14 +510,17 @@ async def text_scores() -> dict[str, object]:
 
 
 async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | None) -> dict[str, object]:
-    settings = AsrSettings()  # the service's defaults: decodes at once, threads each
-    transcriber = WhisperTranscriber(cpu_threads=settings.cpu_threads, workers=settings.workers)
-    vad_session = load_session()
+    # The services' settings as a local mesh on this machine's cores runs them (voicemesh up), then the environment's.
+    split = {k: str(v) for k, v in cpus.thread_split(cpus.available_cpus()).items()}
+    env = split | dict(os.environ)
+    asr = RecognizerServicer(config.build(AsrSettings, "asr", env=env))  # its models, pool and partial decoder
+    asr.load()
+    assert asr.transcriber is not None
+    transcriber = asr.transcriber
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
-    pool = WorkerPool(settings.workers, "bench-asr")
     engine: Engine | None = None
     if any(POLICIES[p].llm for p in policies):
-        engine = build_engine(LlmSettings())  # the LLM service's engine at its defaults
+        engine = build_engine(config.build(LlmSettings, "llm", env=env))  # as the LLM service builds it
         await engine.start()
     llm = LlmScorer(engine) if engine is not None else None
     utterances = [u for u in build_set(transcriber, clip_names) if kinds is None or u.kind in kinds]
@@ -478,12 +533,11 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
             outcome = await run_one(
                 utterance,
                 policy.endpointing,
-                vad_session,
-                transcriber,
-                pool,
+                asr,
                 scorer,
                 llm if policy.llm else None,
                 policy.prefill,
+                policy.prefill_scores,
             )
             per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():
@@ -500,6 +554,7 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
                 "finals": [asdict(f) for f in o.finals],
                 "pauses": [asdict(p) for p in o.pauses],
                 "llm_scores": [{"candidate": text, "p_turn_end": round(p, 4)} for text, p in o.llm_scores],
+                "prefill_scores": o.prefill_scores,
             }
             for o in outcomes
         ]

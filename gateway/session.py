@@ -424,8 +424,8 @@ class Session:
     def _apply(self, commands: list[turn.Command]) -> None:
         for command in commands:
             match command:
-                case turn.StartReply(reply_id, user_text, speculative):
-                    self._start_reply(reply_id, user_text, speculative)
+                case turn.StartReply(reply_id, user_text, speculative, turn_end):
+                    self._start_reply(reply_id, user_text, speculative, turn_end)
                 case turn.Prefill(user_text):
                     self._prefills.offer(user_text)
                 case turn.CancelReply(reply_id):
@@ -480,7 +480,9 @@ class Session:
         self._apply(self.turns.tick(_now_ms()))
 
     # ---- replies -------------------------------------------------------------------------------------------
-    def _start_reply(self, reply_id: int, user_text: str, speculative: bool) -> Reply:
+    def _start_reply(self, reply_id: int, user_text: str, speculative: bool, turn_end: float | None = None) -> Reply:
+        """`turn_end`: the LLM's P(turn end) of exactly these words, known from a prefill: the pause gets it now,
+        and the reply does not ask for another."""
         event = self._last_event or asr_pb2.RecognizeEvent()
         reply = Reply(reply_id, user_text, speculative)
         reply.mark("reply_started")
@@ -500,13 +502,20 @@ class Session:
             },
         )
         self._replies[reply.utterance_id] = reply
+        if reply.pause_id and turn_end is not None and self.backends.llm_scores_turn_end:
+            telemetry.TURN_END_SCORES.labels("prefill").inc()
+            reply.span.set_attribute("turn_end.from_prefill", True)
+            self._turn_score(reply, turn_end)
         reply.llm_task = asyncio.ensure_future(self._supervised("llm", functools.partial(self._generate, reply)))
         return reply
 
     async def _prefill(self, user_text: str) -> None:
         request = llm_pb2.PrefillRequest(session_id=self.options.session_id, messages=self._messages(user_text))
+        history = len(self.history)
         try:
-            await self.backends.prefill(request)
+            response = await self.backends.prefill(request)
+            if response is not None and response.HasField("turn_end") and len(self.history) == history:
+                self.turns.on_prefilled(user_text, response.turn_end.probability)  # of the dialogue as it still is
         except grpc.aio.AioRpcError as error:  # best effort: the reply then evaluates these words itself
             telemetry.PREFILLS.labels("failed").inc()
             log.info(
@@ -564,8 +573,11 @@ class Session:
             session_id=self.options.session_id,
             messages=self._messages(reply.user_text),
             max_tokens=self.pipeline.max_tokens,
-            # The LLM says how finished the user's words sound; the ASR waits for the pause accordingly.
-            score_turn_end=bool(reply.pause_id) and not self.pipeline.endpointing.fixed_hangover,
+            # The LLM says how finished the user's words sound (unless a prefill said it of the same words); the ASR
+            # waits for the pause accordingly.
+            score_turn_end=bool(reply.pause_id)
+            and not self.pipeline.endpointing.fixed_hangover
+            and reply.turn_end is None,
             urgent_words=self.pipeline.urgent_words,
         )
         whole = self.pipeline.buffer_whole_reply
@@ -575,6 +587,7 @@ class Session:
             async for response in stream:
                 if response.HasField("turn_end"):
                     self.backends.llm_scores_turn_end = scored = True
+                    telemetry.TURN_END_SCORES.labels("reply").inc()
                     self._turn_score(reply, response.turn_end.probability)
                     continue
                 if first:

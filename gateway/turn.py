@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from voicemesh.endpointing import scored_words
+
 DEFAULT_BACKCHANNELS = frozenset(
     {
         "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "uh-huh", "mm-hmm", "mhm", "mm",
@@ -74,12 +76,16 @@ class StartReply:
     reply_id: int
     user_text: str
     speculative: bool
+    turn_end: float | None = None
+    """The LLM's P(turn end) of exactly these words, from the prefill of a partial that had them: the pause it
+    starts at needs no other score (None: the reply's own prefill scores it)."""
 
 
 @dataclass(frozen=True)
 class Prefill:
     """Load the dialogue, with `user_text` as the user's words so far, into the LLM's cache: no reply, nobody hears
-    anything; the reply at the end of the turn then evaluates only the words after these."""
+    anything; the reply at the end of the turn then evaluates only the words after these. The LLM scores the turn
+    end after them as it goes (`on_prefilled`)."""
 
     user_text: str
 
@@ -151,7 +157,8 @@ class TurnController:
     current: int | None = None  # the committed reply, until it ends
     _overlap: _Overlap | None = None
     _ids: int = 0
-    _prefilled_words: int = 0  # of the user's turn in progress
+    _prefilled: str = ""  # the words of the user's turn in progress last prefilled
+    _prefill_score: tuple[str, float] | None = None  # (scored words, the LLM's P(turn end) after them)
 
     # ---- ASR events ----------------------------------------------------------------------------------------
     def on_speech_started(self, now_ms: float) -> list[Command]:
@@ -167,12 +174,19 @@ class TurnController:
     def on_partial(self, now_ms: float, text: str) -> list[Command]:
         commands = self._overlap_words(now_ms, text) + self.tick(now_ms)
         if self.policy.prefill_partials and self.current is None and self.speculative is None:
-            # Without its last word: the speaker may be in the middle of it, and Whisper's guess at it often changes.
-            stable = text.split()[:-1]
-            if len(stable) > self._prefilled_words and words_of(" ".join(stable)):
-                self._prefilled_words = len(stable)
-                commands.append(Prefill(" ".join(stable)))
+            # Every word, the last too: the LLM's turn-end score after them is what a candidate with the same words
+            # would wait for. Where Whisper's guess at the last word changes, the next prefill evaluates it again.
+            words = " ".join(text.split())
+            if words != self._prefilled and words_of(words):
+                self._prefilled = words
+                commands.append(Prefill(words))
         return commands
+
+    def on_prefilled(self, text: str, turn_end: float | None) -> None:
+        """A Prefill of `text` is done, after the same dialogue as now; `turn_end`: the LLM's P(turn end) after its
+        words, if it scored them. A candidate with the same words starts its reply with this score."""
+        if turn_end is not None and self.current is None:
+            self._prefill_score = (scored_words(text), turn_end)
 
     def on_candidate(self, now_ms: float, text: str) -> list[Command]:
         """A silence began and `text` is the transcript so far: start a reply to it, unheard for now."""
@@ -184,7 +198,9 @@ class TurnController:
                 return commands
             commands.append(CancelReply(self.speculative[0]))
         self.speculative = (self._next_id(), text)
-        commands.append(StartReply(self.speculative[0], text, speculative=True))
+        known = self._prefill_score
+        turn_end = known[1] if known is not None and known[0] == scored_words(text) else None
+        commands.append(StartReply(self.speculative[0], text, speculative=True, turn_end=turn_end))
         return commands
 
     def on_speech_resumed(self, now_ms: float) -> list[Command]:
@@ -196,7 +212,7 @@ class TurnController:
 
     def on_final(self, now_ms: float, text: str) -> list[Command]:
         """The ASR committed the user's turn with `text`."""
-        self._prefilled_words = 0  # the next partials are of the next turn
+        self._prefilled, self._prefill_score = "", None  # the next partials are of the next turn
         commands = self._overlap_words(now_ms, text)
         if self.current is not None:
             # Speech over a reply that did not interrupt it (a backchannel, a cough): not a turn. Its pause ends.

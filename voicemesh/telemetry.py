@@ -74,6 +74,13 @@ TURN_SCORES = Counter(
     "End-of-turn completeness scores by outcome (in_time, late: the fixed hangover had applied, failed)",
     ["outcome"],
 )
+TURN_END_SCORES = Counter(
+    "voicemesh_turn_end_scores_total",
+    "The LLM's turn-end scores the gateway handed to the ASR, by source (prefill: a partial with the endpoint "
+    "candidate's words was prefilled and scored, so the pause did not wait for the reply's; reply: the speculative "
+    "reply's own)",
+    ["source"],
+)
 PREFILLS = Counter(
     "voicemesh_llm_prefills_total",
     "Prefills of a partial transcript by outcome (evaluated; nothing_new: all cached; skipped: the replica was serving "

@@ -59,6 +59,10 @@ class Prefilled:
     cached_tokens: int = 0
     evaluated_tokens: int = 0
     skipped: bool = False
+    turn_end: float | None = None
+    """P(the user's line ends right after these words), as `score_turn_end` would give it (None: not evaluated up
+    to the last word, or the engine does not score)."""
+    score_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import codecs
 import collections
 import concurrent.futures
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
@@ -296,8 +297,10 @@ class LlamaBatchEngine:
         prompt = self._tokenize(text)
         if len(prompt) > self.n_ctx - 8:
             raise ValueError(f"prompt has {len(prompt)} tokens; at most {self.n_ctx - 8} fit")
+        # Its last token is the user's last word: the logits there score the turn end, as a reply's would.
+        word = len(prompt) - 1 if len(self._end_tokens) else None
         reply = _Reply(
-            GenerationRequest(session_id, messages), prompt, None, (), asyncio.get_running_loop(), asyncio.Queue()
+            GenerationRequest(session_id, messages), prompt, word, (), asyncio.get_running_loop(), asyncio.Queue()
         )
         reply.prefill = True
         with self._lock:
@@ -307,15 +310,20 @@ class LlamaBatchEngine:
                 return Prefilled(len(prompt), skipped=True)
             self._waiting.append(reply)
             self._lock.notify()
+        scored: GenerationChunk | None = None
         try:
             while (item := await reply.chunks.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
+                scored = item  # the turn-end score: the only chunk a prefill yields
         finally:
             reply.cancelled = True
             with self._lock:
                 self._lock.notify()
-        return Prefilled(len(prompt), reply.cached, reply.position - reply.cached)
+        done = Prefilled(len(prompt), reply.cached, reply.position - reply.cached)
+        if scored is None or scored.turn_end is None:
+            return done
+        return dataclasses.replace(done, turn_end=scored.turn_end, score_ms=scored.score_ms)
 
     # ---- the engine thread -----------------------------------------------------------------------------
     def _run(self, loaded: concurrent.futures.Future[None]) -> None:
@@ -410,9 +418,10 @@ class LlamaBatchEngine:
                 resident.tokens = self._head
             resident.session_id = session
         resident.busy = True
-        # A reply evaluates at least its last token (its logits are sampled); a prefill may have nothing to do.
+        # A reply evaluates at least its last token (its logits are sampled); a prefill may have nothing to do (and
+        # then scores nothing).
         cached = min(common_prefix(resident.tokens, reply.prompt), len(reply.prompt) - (not reply.prefill))
-        if reply.word is not None:
+        if reply.word is not None and cached < len(reply.prompt):
             cached = min(cached, reply.word)  # its logits are read as it is evaluated
         if cached < len(reply.prompt):  # a prefill of words all cached keeps what follows them too
             llama_cpp.llama_memory_seq_rm(memory, seq, cached, -1)

@@ -499,15 +499,25 @@ class LlamaCppEngine:
         tokens = llama.tokenize(text.encode(), add_bos=True)
         if len(tokens) > self.n_ctx - 8:
             raise ValueError(f"prompt has {len(tokens)} tokens; at most {self.n_ctx - 8} fit")
+        started = time.monotonic_ns()
         cached = self._take_over(slot, session_id, tokens)
-        if cached == len(tokens):  # all cached: what follows them stays too
+        if cached == len(tokens):  # all cached: what follows them stays too (and nothing is scored)
             return Prefilled(len(tokens), cached, 0)
         llama.n_tokens = cached  # eval drops the cache past it
         # In steps, so that a call that comes meanwhile waits for no more than one of them.
         while llama.n_tokens < len(tokens) and not self._waiters:
             llama.eval(tokens[llama.n_tokens : llama.n_tokens + PREFILL_STEP_TOKENS])
+        done = Prefilled(len(tokens), cached, llama.n_tokens - cached)
+        if len(self._end_tokens) and llama.n_tokens == len(tokens):
+            # The logits of the last token evaluated (llama.cpp keeps only those): the row after the user's last word.
+            logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),))
+            done = dataclasses.replace(
+                done,
+                turn_end=turn_end_probability(logits, self._end_tokens),
+                score_ms=(time.monotonic_ns() - started) / 1e6,
+            )
         self._save_state(session_id, llama)
-        return Prefilled(len(tokens), cached, llama.n_tokens - cached)
+        return done
 
     def _step_aside(self, cancel: threading.Event) -> None:
         """Pause for `first_chunk_yield_s`, the cores the TTS's first chunk's, unless a call comes for the slot

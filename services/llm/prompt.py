@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.llm.engine import Message
+from voicemesh.endpointing import CLOSING
 
 DEFAULT_PERSONA = (
     "The following is a phone conversation with a friendly, helpful voice assistant. "
@@ -27,9 +28,6 @@ FEW_SHOT = (
 # by the user)" after it) came back as the whole of later replies, marker included; as a narrator's line the
 # fragment stays in context and was never repeated (measured on Gemma 3 270M, greedy).
 INTERRUPTED_NOTE = '(The assistant began to say "{heard}" but the user interrupted.)'
-
-
-CLOSING = ".,;:!?…-—\"'"  # punctuation a transcript may end with: its words end before it
 
 
 @dataclass(frozen=True)

@@ -268,6 +268,8 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         response.cached_prompt_tokens = done.cached_tokens
         response.evaluated_tokens = done.evaluated_tokens
         response.skipped = done.skipped
+        if done.turn_end is not None:
+            response.turn_end.probability, response.turn_end.score_ms = done.turn_end, done.score_ms
         return response
 
     async def _generate(

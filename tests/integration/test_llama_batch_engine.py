@@ -97,6 +97,10 @@ async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest(engi
     plain = await _chunks(engine, "not-prefilled", WHOLE, score_turn_end=True)
     assert chunks[0].turn_end == pytest.approx(plain[0].turn_end, abs=0.02)
     assert _text(chunks).strip() and "\n" not in _text(chunks)
+    # The prefill scored the turn end after its own words, as a reply to exactly those would; all cached, it did not.
+    partial = await _chunks(engine, "partial-scored", PARTIAL + ".", score_turn_end=True)
+    assert done.turn_end == pytest.approx(partial[0].turn_end, abs=0.02) and done.turn_end < 0.2, done
+    assert again.turn_end is None
 
 
 async def test_a_prefill_of_words_already_cached_keeps_what_follows_them(engines) -> None:

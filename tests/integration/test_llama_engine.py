@@ -61,6 +61,12 @@ async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest_and_
     assert last.cached_prompt_tokens >= done.prompt_tokens, (done, last)
     again = await engine.prefill("prefilled", [Message("user", partial)])  # the start of what the slot holds
     assert again.evaluated_tokens == 0 and again.cached_tokens == again.prompt_tokens
+    assert again.turn_end is None, "nothing evaluated: nothing scored"
+    # It scores the turn end after its words, as a reply to exactly those words would (llama.cpp's sums differ in the
+    # last digits between chunkings).
+    ask = GenerationRequest("scored", [Message("user", partial + ".")], max_tokens=1, score_turn_end=True)
+    scored = [chunk.turn_end async for chunk in engine.generate(ask) if chunk.turn_end is not None]
+    assert done.turn_end == pytest.approx(scored[0], abs=0.02) and done.turn_end < 0.2, "'...the weather will'"
     last_again = [chunk async for chunk in engine.generate(request)][-1]
     assert last_again.cached_prompt_tokens >= last.prompt_tokens - 1, "what followed the words stayed cached"
     busy = asyncio.ensure_future(_reply(engine, "busy", LONG, start=LONG_START))

@@ -111,8 +111,10 @@ async def test_a_prefill_of_the_words_so_far_leaves_the_reply_only_the_rest(serv
         stub = llm_pb2_grpc.GeneratorStub(channel)
         done = await stub.Prefill(llm_pb2.PrefillRequest(session_id="prefill-test", messages=partial))
         assert done.evaluated_tokens > 0 and done.replica and not done.unsupported, done
+        assert done.HasField("turn_end") and 0 <= done.turn_end.probability < 0.2, "'...the weather will': not done"
         again = await stub.Prefill(llm_pb2.PrefillRequest(session_id="prefill-test", messages=partial))
         assert again.evaluated_tokens == 0 and again.cached_prompt_tokens == done.prompt_tokens
+        assert not again.HasField("turn_end"), "nothing evaluated: nothing scored"
     whole = [(USER, "Can you tell me what the weather will be like tomorrow?")]
     last = [r async for r in clients.generate(services["llm"], whole, session_id="prefill-test")][-1]
     assert last.usage.cached_prompt_tokens >= done.prompt_tokens

@@ -99,6 +99,8 @@ class FakeBackends:
         self.llm_scores_turn_end = turn_end is not None
         self.prefills: list[llm_pb2.PrefillRequest] = []
         self.prefill_error: grpc.aio.AioRpcError | None = None  # every prefill fails with it
+        self.prefill_turn_end: float | None = None  # the P(turn end) a prefill reports of its words; None: none
+        self.generates: list[llm_pb2.GenerateRequest] = []
 
     def pick(self, stage: str) -> str:
         return stage
@@ -125,11 +127,15 @@ class FakeBackends:
         self.prefills.append(request)
         if self.prefill_error is not None:
             raise self.prefill_error
-        return llm_pb2.PrefillResponse(evaluated_tokens=len(request.messages[-1].content.split()))
+        response = llm_pb2.PrefillResponse(evaluated_tokens=len(request.messages[-1].content.split()))
+        if self.prefill_turn_end is not None:
+            response.turn_end.probability = self.prefill_turn_end
+        return response
 
     async def generate(
         self, request: llm_pb2.GenerateRequest, metadata: object = None
     ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        self.generates.append(request)
         if request.score_turn_end and self.turn_end is not None:
             yield llm_pb2.GenerateResponse(turn_end=llm_pb2.TurnEnd(probability=self.turn_end))
         for index, word in enumerate(self.reply.split()):

@@ -91,7 +91,7 @@ async def test_partials_prefill_the_dialogue_one_call_at_a_time_and_a_failed_pre
         backends.say(partial=asr_pb2.Partial(text="is it going to"))
         await until(lambda: len(backends.prefills) == 2)
         request = backends.prefills[-1]
-        assert request.session_id == "s1" and request.messages[-1].content == "is it going"
+        assert request.session_id == "s1" and request.messages[-1].content == "is it going to"
         backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="is it going to rain"))
         backends.say(final=asr_pb2.Final(text="is it going to rain"))
         await until(lambda: session.playout.queued == 3 * FRAMES_PER_WORD)  # the reply, whatever the prefills did
@@ -249,6 +249,31 @@ async def test_a_second_pause_with_the_same_words_gets_the_running_replys_score(
             (1, 0.7, False),
             (2, 0.7, False),
         ]
+    finally:
+        await session.close()
+
+
+async def test_a_candidate_whose_words_a_prefill_scored_takes_that_score_at_once() -> None:
+    backends = FakeBackends(turn_end=0.2)
+    backends.prefill_turn_end = 0.7
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="what time is it"))
+        await until(lambda: len(backends.prefills) == 1)
+        assert backends.prefills[0].messages[-1].content == "what time is it", "every word, the last too"
+        await asyncio.sleep(0.02)  # the prefill's answer is in
+        # Whisper's question mark is not one of the words scored: the prefill's score stands for this candidate.
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it?", pause_id=4))
+        await until(lambda: bool(turn_scores(backends)) and bool(backends.generates))
+        assert [(s.pause_id, round(s.probability, 2)) for s in turn_scores(backends)] == [(4, 0.7)]
+        assert not backends.generates[0].score_turn_end, "the reply is not asked to score it again"
+        # Other words: the pause waits for their reply's own score.
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it in Paris", pause_id=5))
+        await until(lambda: len(turn_scores(backends)) == 2)
+        assert [(s.pause_id, round(s.probability, 2)) for s in turn_scores(backends)][-1] == (5, 0.2)
+        assert backends.generates[-1].score_turn_end
     finally:
         await session.close()
 

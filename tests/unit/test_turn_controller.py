@@ -70,20 +70,51 @@ def test_without_speculative_start_the_reply_starts_on_the_final() -> None:
     assert controller.on_final(200, "Hi.") == [StartReply(1, "Hi.", False), CommitReply(1, "Hi.")]
 
 
-def test_partials_prefill_their_words_but_the_last_once_each_and_only_between_replies() -> None:
+def test_partials_prefill_all_their_words_when_they_change_and_only_between_replies() -> None:
     controller = TurnController()
     controller.on_speech_started(0)
-    assert controller.on_partial(200, "The") == []  # no word the speaker has surely finished yet
-    assert controller.on_partial(400, "The child al") == [Prefill("The child")]
-    assert controller.on_partial(600, "The child almost") == []  # nothing new past "The child"
-    assert controller.on_partial(800, "The child almost hurt, the") == [Prefill("The child almost hurt,")]
+    assert controller.on_partial(200, "The") == [Prefill("The")]
+    assert controller.on_partial(400, "The child al") == [Prefill("The child al")]
+    assert controller.on_partial(600, "The  child al") == []  # the same words
+    assert controller.on_partial(800, "The child almost hurt, the") == [Prefill("The child almost hurt, the")]
     controller.on_candidate(1000, "The child almost hurt the small dog.")
     assert controller.on_partial(1100, "The child almost hurt the small dog again") == []  # a reply is under way
     controller.on_final(1200, "The child almost hurt the small dog.")
     controller.on_speech_started(1300)
     assert controller.on_partial(1500, "Yeah okay") == []  # a backchannel over the reply: it plays on
     # Words interrupt: the reply stops, and the words are the next turn's, prefilled from the first.
-    assert controller.on_partial(1700, "Yeah okay, is it hurt") == [Interrupt(1), Prefill("Yeah okay, is it")]
+    assert controller.on_partial(1700, "Yeah okay, is it hurt") == [Interrupt(1), Prefill("Yeah okay, is it hurt")]
+
+
+def test_a_candidate_with_the_words_a_prefill_scored_starts_its_reply_with_that_score() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_partial(800, "The horizon seems")
+    controller.on_prefilled("The horizon seems", 0.05)
+    controller.on_partial(1600, "The horizon seems extremely distant")
+    controller.on_prefilled("The horizon seems extremely distant", 0.68)
+    # The words scored are those before Whisper's closing punctuation.
+    assert controller.on_candidate(1900, "The horizon seems extremely distant.") == [
+        StartReply(1, "The horizon seems extremely distant.", True, turn_end=0.68)
+    ]
+    assert controller.on_speech_resumed(2000) == [CancelReply(1)]
+    # Other words than those scored: the reply's own prefill scores them.
+    assert controller.on_candidate(2600, "The horizon seems extremely distant today.") == [
+        StartReply(2, "The horizon seems extremely distant today.", True)
+    ]
+    controller.on_final(2700, "The horizon seems extremely distant today.")
+    controller.on_reply_done(2)
+    # A score is of one dialogue: after the turn it belonged to, it stands for nothing.
+    assert controller.on_candidate(5000, "The horizon seems extremely distant.") == [
+        StartReply(3, "The horizon seems extremely distant.", True)
+    ]
+
+
+def test_a_prefill_score_that_comes_while_a_reply_plays_is_not_kept() -> None:
+    controller = replying()
+    controller.on_prefilled("Wait", 0.9)
+    controller.on_speech_started(3000)
+    assert controller.on_candidate(3300, "Wait.") == [Interrupt(1), StartReply(2, "Wait.", True)]
 
 
 def test_partials_prefill_nothing_when_the_session_turns_it_off() -> None:
@@ -143,7 +174,7 @@ def test_a_wordless_final_ends_the_pause_at_once() -> None:
 def test_words_over_the_reply_interrupt_it_and_become_the_next_turn() -> None:
     controller = replying()
     controller.on_speech_started(3000)
-    assert controller.on_partial(3250, "Wait, stop") == [Interrupt(1), Prefill("Wait,")]  # words decide at once
+    assert controller.on_partial(3250, "Wait, stop") == [Interrupt(1), Prefill("Wait, stop")]  # words decide at once
     assert controller.current is None
     controller.on_speech_stopped(3600)
     assert controller.on_candidate(3700, "Wait, stop.") == [StartReply(2, "Wait, stop.", True)]
@@ -163,7 +194,7 @@ def test_a_backchannel_then_words_interrupts() -> None:
     assert controller.on_partial(3200, "Yeah") == []
     assert controller.on_partial(3600, "Yeah, but what about tomorrow") == [
         Interrupt(1),
-        Prefill("Yeah, but what about"),
+        Prefill("Yeah, but what about tomorrow"),
     ]
 
 
@@ -186,7 +217,7 @@ def test_configured_backchannels_replace_the_defaults() -> None:
     controller = replying(TurnPolicy(backchannels=frozenset({"ja", "genau"})))
     controller.on_speech_started(3000)
     assert controller.on_partial(3200, "Genau.") == []
-    assert controller.on_partial(3400, "Yeah.") == [Interrupt(1)]  # not an acknowledgement in this session
+    assert controller.on_partial(3400, "Yeah.") == [Interrupt(1), Prefill("Yeah.")]  # not an acknowledgement here
 
 
 def test_the_tts_going_down_mid_reply_ends_the_turn_and_listening_goes_on() -> None:
