@@ -511,10 +511,10 @@ class Session:
 
     async def _prefill(self, user_text: str) -> None:
         request = llm_pb2.PrefillRequest(session_id=self.options.session_id, messages=self._messages(user_text))
-        history = len(self.history)
+        dialogue = (self._turn, len(self.history))
         try:
             response = await self.backends.prefill(request)
-            if response is not None and response.HasField("turn_end") and len(self.history) == history:
+            if response is not None and response.HasField("turn_end") and (self._turn, len(self.history)) == dialogue:
                 self.turns.on_prefilled(user_text, response.turn_end.probability)  # of the dialogue as it still is
         except grpc.aio.AioRpcError as error:  # best effort: the reply then evaluates these words itself
             telemetry.PREFILLS.labels("failed").inc()
