@@ -240,7 +240,7 @@ class LlmScorer:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.scores: list[tuple[str, float]] = []
-        self.prefill_scored = 0  # pauses scored by a prefill of the candidate's words, not by its reply
+        self.scored_by_prefill = 0  # pauses scored by a prefill of the candidate's words, not by its reply
         self.prefill_scores = True
         self._replies: dict[int, asyncio.Task[None]] = {}
         self._reply_scores: dict[int, float] = {}  # reply id -> its P(turn end), once in
@@ -251,7 +251,7 @@ class LlmScorer:
     def new_utterance(self, prefill: bool, prefill_scores: bool = True) -> None:
         self.prefill_scores = prefill_scores
         self.scores.clear()
-        self.prefill_scored = 0
+        self.scored_by_prefill = 0
         self._reply_scores.clear()
         self._reply_pauses.clear()
         self.turns = TurnController(TurnPolicy(prefill_partials=prefill))
@@ -278,7 +278,7 @@ class LlmScorer:
                 reply_id, pause_id = command.reply_id, event.endpoint_candidate.pause_id
                 self._reply_pauses[reply_id] = pause_id
                 if command.turn_end is not None and self.prefill_scores:  # a prefill scored these words: now
-                    self.prefill_scored += 1
+                    self.scored_by_prefill += 1
                     self._scored(stream, reply_id, command.user_text, command.turn_end)
                 task = asyncio.ensure_future(self._reply(stream, reply_id, command.user_text))
                 self._replies[reply_id] = task
@@ -380,7 +380,7 @@ async def run_one(
             )
     outcome.pauses = list(scorer.records)
     outcome.llm_scores = list(llm.scores) if llm is not None else []
-    outcome.prefill_scores = llm.prefill_scored if llm is not None else 0
+    outcome.prefill_scores = llm.scored_by_prefill if llm is not None else 0
     return outcome
 
 
