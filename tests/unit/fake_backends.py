@@ -102,6 +102,11 @@ class FakeBackends:
         self.prefill_turn_end: float | None = None  # the P(turn end) a prefill reports of its words; None: none
         self.generates: list[llm_pb2.GenerateRequest] = []
 
+    def forget(self) -> None:
+        """Drop the fakes' own record of what they were sent (a long test keeps only the session's memory)."""
+        for record in (self.asr, self.tts, self.prefills, self.generates):
+            record.clear()
+
     def pick(self, stage: str) -> str:
         return stage
 

@@ -68,8 +68,7 @@ class Conversation:
             assert isinstance(event, conversation_pb2.ConverseEvent), event
             if event.HasField("metrics"):
                 break
-        self.backends.asr.clear()  # the fakes' own record of what they were sent
-        self.backends.tts.clear()
+        self.backends.forget()  # the fakes' own record of what they were sent
 
     def held(self) -> dict[str, int]:
         """The session's containers, and the tasks running its code."""
