@@ -78,12 +78,6 @@ CLOSING = ".,;:!?…-—\"'"
 score is in doubt about."""
 
 
-def scored_words(text: str) -> str:
-    """The words of a user's line that a language model's turn-end score is of: spaces collapsed, up to the closing
-    punctuation. Two transcripts with the same scored words (after the same dialogue) get the same score."""
-    return " ".join(text.split()).rstrip(CLOSING + " ")
-
-
 def lm_completeness(probability: float) -> float:
     """A language model's P(turn end) on the completeness scale of `hangover_for`: its thresholds map onto
     COMPLETE_AT and INCOMPLETE_AT, linearly between them."""

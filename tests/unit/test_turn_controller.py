@@ -98,15 +98,20 @@ def test_a_candidate_with_the_words_a_prefill_scored_starts_its_reply_with_that_
         StartReply(1, "The horizon seems extremely distant.", True, turn_end=0.68)
     ]
     assert controller.on_speech_resumed(2000) == [CancelReply(1)]
+    # The same words in another case or punctuation, as Whisper's draft often writes a partial's: the same score.
+    assert controller.on_candidate(2300, "the horizon, seems extremely distant?") == [
+        StartReply(2, "the horizon, seems extremely distant?", True, turn_end=0.68)
+    ]
+    assert controller.on_speech_resumed(2400) == [CancelReply(2)]
     # Other words than those scored: the reply's own prefill scores them.
     assert controller.on_candidate(2600, "The horizon seems extremely distant today.") == [
-        StartReply(2, "The horizon seems extremely distant today.", True)
+        StartReply(3, "The horizon seems extremely distant today.", True)
     ]
     controller.on_final(2700, "The horizon seems extremely distant today.")
-    controller.on_reply_done(2)
+    controller.on_reply_done(3)
     # A score is of one dialogue: after the turn it belonged to, it stands for nothing.
     assert controller.on_candidate(5000, "The horizon seems extremely distant.") == [
-        StartReply(3, "The horizon seems extremely distant.", True)
+        StartReply(4, "The horizon seems extremely distant.", True)
     ]
 
 
