@@ -481,8 +481,8 @@ class Session:
 
     # ---- replies -------------------------------------------------------------------------------------------
     def _start_reply(self, reply_id: int, user_text: str, speculative: bool, turn_end: float | None = None) -> Reply:
-        """`turn_end`: the LLM's P(turn end) of exactly these words, known from a prefill: the pause gets it now,
-        and the reply does not ask for another."""
+        """`turn_end`: the LLM's P(turn end) of these words (case and punctuation aside), known from a prefill: the
+        pause gets it now, and the reply does not ask for another."""
         event = self._last_event or asr_pb2.RecognizeEvent()
         reply = Reply(reply_id, user_text, speculative)
         reply.mark("reply_started")

@@ -75,8 +75,8 @@ class StartReply:
     user_text: str
     speculative: bool
     turn_end: float | None = None
-    """The LLM's P(turn end) of exactly these words, from the prefill of a partial that had them: the pause it
-    starts at needs no other score (None: the reply's own prefill scores it)."""
+    """The LLM's P(turn end) of these words (case and punctuation aside), from the prefill of a partial that had
+    them: the pause it starts at needs no other score (None: the reply's own prefill scores it)."""
 
 
 @dataclass(frozen=True)
