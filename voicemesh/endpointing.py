@@ -73,11 +73,6 @@ within a 600 ms pause against 14 now (`check`: 23 against 16). The cost: a finis
 (P 0.15, "We are sure that one war is enough": the model expects "... enough to") waits the full maximum."""
 
 
-CLOSING = ".,;:!?…-—\"'"
-"""Punctuation a transcript may end with: its words end before it. Whisper's full stop is exactly what a turn-end
-score is in doubt about."""
-
-
 def lm_completeness(probability: float) -> float:
     """A language model's P(turn end) on the completeness scale of `hangover_for`: its thresholds map onto
     COMPLETE_AT and INCOMPLETE_AT, linearly between them."""

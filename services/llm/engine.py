@@ -63,6 +63,7 @@ class Prefilled:
     """P(the user's line ends right after these words), as `score_turn_end` would give it (None: not evaluated up
     to the last word, or the engine does not score)."""
     score_ms: float = 0.0
+    """How long the prefill took up to that score, as `GenerationChunk.score_ms` is for a reply's."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.llm.engine import Message
-from voicemesh.endpointing import CLOSING
 
 DEFAULT_PERSONA = (
     "The following is a phone conversation with a friendly, helpful voice assistant. "
@@ -28,6 +27,11 @@ FEW_SHOT = (
 # by the user)" after it) came back as the whole of later replies, marker included; as a narrator's line the
 # fragment stays in context and was never repeated (measured on Gemma 3 270M, greedy).
 INTERRUPTED_NOTE = '(The assistant began to say "{heard}" but the user interrupted.)'
+
+
+CLOSING = ".,;:!?…-—\"'"
+"""Punctuation a transcript may end with: its words end before it. Whisper's full stop is exactly what a turn-end
+score is in doubt about."""
 
 
 @dataclass(frozen=True)
