@@ -227,10 +227,19 @@ def speech_frames(frames: list[bytes], floor_dbfs: float = -75.0, below_peak_db:
     """Which 20 ms frames hold speech, by energy relative to the clip's loudest frame: the client's own view of
     where speech ends. The absolute floor only keeps near-digital silence out, so a quiet speaker (a distant
     microphone, speech around -50 dBFS) still has an end of speech to measure V2V from."""
-    rms = np.array([np.sqrt(np.mean((np.frombuffer(f, "<i2") / 32768.0) ** 2)) + 1e-12 for f in frames])
-    level = 20 * np.log10(rms)
-    threshold = max(floor_dbfs, level.max() - below_peak_db) if len(level) else floor_dbfs
-    return list(level > threshold)
+    threshold = speech_threshold(frames, floor_dbfs, below_peak_db)
+    return [level_dbfs(frame) > threshold for frame in frames]
+
+
+def speech_threshold(frames: list[bytes], floor_dbfs: float = -75.0, below_peak_db: float = 35.0) -> float:
+    """The level (dBFS) above which a frame of these holds speech (`speech_frames`)."""
+    loudest = max((level_dbfs(frame) for frame in frames), default=floor_dbfs)
+    return max(floor_dbfs, loudest - below_peak_db)
+
+
+def level_dbfs(frame: bytes) -> float:
+    """The RMS level of a 16-bit PCM frame in dBFS."""
+    return float(20 * np.log10(np.sqrt(np.mean((np.frombuffer(frame, "<i2") / 32768.0) ** 2)) + 1e-12))
 
 
 def speech_end_sent_us(sent: Iterable[tuple[int, bool]], server_speech_end_us: int) -> int:
@@ -296,18 +305,26 @@ class TalkTurn:
         }
 
 
+@dataclass(frozen=True)
+class AfterFirstAudio:
+    """An `inject` offset counted from when the reply's first audio arrives: speech over a reply whose start
+    varies with the machine's load."""
+
+    seconds: float
+
+
 async def talk(
     target: str,
     clip: Clip,
     config: conversation_pb2.SessionConfig | None = None,
     trailing_silence_s: float = 4.0,
-    inject: list[tuple[float, Clip]] | None = None,
+    inject: list[tuple[float | AfterFirstAudio, Clip]] | None = None,
     credentials: Credentials = PLAINTEXT,
 ) -> tuple[list[TalkTurn], bytes, list[Event]]:
     """Speak a clip to the gateway in real time, then silence; returns the turns, the reply audio, all events.
 
-    `inject` plays more clips at given offsets (seconds from the start), mixed into the stream: a user talking
-    over the reply, for barge-in tests.
+    `inject` plays more clips mixed into the stream, each at an offset in seconds from the start, or an
+    `AfterFirstAudio` one: a user talking over the reply, for barge-in tests.
     """
     cfg = conversation_pb2.SessionConfig(input_sample_rate_hz=16000, output_sample_rate_hz=16000)
     if config is not None:
@@ -316,14 +333,20 @@ async def talk(
     frames = clip.to_rate(rate).frames()
     silence = b"\x00" * len(frames[0])
     frames += [silence] * int(trailing_silence_s * 1000 / FRAME_MS)
-    for offset_s, extra in inject or []:
-        start = int(offset_s * 1000 / FRAME_MS)
+    after_audio = [(at.seconds, extra) for at, extra in inject or [] if isinstance(at, AfterFirstAudio)]
+
+    def mix(start: int, extra: Clip) -> None:
         for index, data in enumerate(extra.to_rate(rate).frames()):
             while start + index >= len(frames):
                 frames.append(silence)
             mixed = np.frombuffer(frames[start + index], "<i2").astype(np.int32) + np.frombuffer(data, "<i2")
             frames[start + index] = np.clip(mixed, -32768, 32767).astype("<i2").tobytes()
-    is_speech = speech_frames(frames)
+
+    for at, extra in inject or []:
+        if not isinstance(at, AfterFirstAudio):
+            mix(int(at * 1000 / FRAME_MS), extra)
+    # Where speech ends is judged against the clip's own loudness; a clip mixed in later is judged the same way.
+    threshold = speech_threshold(frames)
     sent: list[tuple[int, bool]] = []  # (send time epoch us, is speech) of each frame
     turns: dict[int, TalkTurn] = {}
     audio = bytearray()
@@ -331,8 +354,8 @@ async def talk(
     async with ConversationClient(target, cfg, credentials=credentials) as client:
 
         async def stream() -> None:
-            async for index, data in paced(frames):
-                sent.append((epoch_us(), is_speech[index]))
+            async for _, data in paced(frames):  # by index: frames mixed or added later are sent too
+                sent.append((epoch_us(), level_dbfs(data) > threshold))
                 client.send(data)
             client.close()
 
@@ -350,6 +373,9 @@ async def talk(
                     record.reply_text += event.text_delta
                 elif isinstance(event, ReplyAudio):
                     record.first_audio_received_us = record.first_audio_received_us or event.received_us
+                    for seconds, extra in after_audio:  # the frames from here on are not sent yet
+                        mix(len(sent) + round(seconds * 1000 / FRAME_MS), extra)
+                    after_audio = []
                     audio += event.pcm16
                 elif isinstance(event, Interrupted):
                     record.interrupted = True
