@@ -22,6 +22,10 @@ Reported per policy: the false cut-off rate (a turn committed before the utteran
 to 600 ms and over all; dead air (speech end -> commit, p50/p95) on complete utterances; how long truncated
 utterances waited; per pause, how each signal (audio, text, fused) scored it. `python -m bench.turns`.
 
+`python -m bench.turns --spoken tune,check,read` runs the same stream over the sentences of bench/turn_sentences.py
+read by Piper instead of the clips: each whole, and cut ~60% in. One synthetic voice, but 60 sentences none of which
+was heard while tuning: where the clips are four speakers, it shows how the policy spreads.
+
 `python -m bench.turns --text` scores text alone, word by word through the sentences of bench/turn_sentences.py
 (40 written for it, a tune and a check half; 40 read-speech Harvard sentences), with the LLM service's engine: how
 long the finished ones wait, and how many points inside a sentence would commit within a 400 or 600 ms pause.
@@ -97,6 +101,7 @@ class Utterance:
     rate_hz: int
     speech_end_ms: float  # where the speaker actually stopped
     pause_ms: int = 0  # the spliced pause's length (spliced only)
+    split: str = ""  # tune | check | read; empty: the clip's (SPLIT)
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,43 @@ def build_set(transcriber: Transcriber, clip_names: list[str]) -> list[Utterance
         utterances.append(
             Utterance(f"{name}+um", name, "hesitation", hesitant, 16000, went_on_ms + end_ms, HESITATION_PAUSE_MS)
         )
+    return utterances
+
+
+def spoken_set(transcriber: Transcriber, splits: list[str]) -> list[Utterance]:
+    """The sentences of bench/turn_sentences.py read by Piper (en_US-joe-medium) over room tone: each whole
+    (`complete`), and cut at a word boundary ~60% in (`truncated`: the voice goes on in the middle of the sentence,
+    so it should wait). Many more utterances than ../shared/audio holds, and none of them heard while tuning
+    (but the `tune` half's text); one synthetic voice, so a second opinion, not a substitute for real speech."""
+    from bench.turn_sentences import CHECK, READ, TUNE
+    from services.tts.piper_engine import PiperEngine
+    from services.tts.server import from_first_sound_of
+
+    sentences = {"tune": TUNE, "check": CHECK, "read": READ}
+    engine = PiperEngine(intra_op_threads=1)
+    rate_hz = engine.capabilities.voices[0].sample_rate_hz
+    rng = np.random.default_rng(11)
+    utterances: list[Utterance] = []
+    for split in splits:
+        for index, sentence in enumerate(sentences[split]):
+            speech = from_first_sound_of(np.concatenate(list(engine.synthesize(sentence))), rate_hz)
+            speech = resample(speech, rate_hz, 16000).astype(np.float32)
+            speech = speech[: int((speech_end_ms(speech, 16000) + 30) * 16)]
+            tone = (rng.standard_normal(len(speech) + 4800) * 10 ** (-60 / 20)).astype(np.float32)  # -60 dBFS
+            audio = tone.copy()
+            audio[4800:] += speech  # 300 ms of room tone, then the sentence
+            name = f"{split}{index:02d}"
+            end_ms = speech_end_ms(audio, 16000)
+            utterances.append(Utterance(name, name, "complete", audio, 16000, end_ms, split=split))
+            words = transcriber.transcribe(audio).words
+            if len(words) >= 3:
+                stop = words[max(1, int(len(words) * 0.6)) - 1]
+                truncated = audio[: int((stop.end_s + 0.03) * 16000)]
+                utterances.append(
+                    Utterance(
+                        f"{name}/cut", name, "truncated", truncated, 16000, speech_end_ms(truncated, 16000), split=split
+                    )
+                )
     return utterances
 
 
@@ -362,7 +404,11 @@ async def run_one(
     if llm is not None:
         await llm.settle()
     outcome = Outcome(
-        utterance.name, utterance.clip, SPLIT.get(utterance.clip, "check"), utterance.kind, utterance.pause_ms
+        utterance.name,
+        utterance.clip,
+        utterance.split or SPLIT.get(utterance.clip, "check"),
+        utterance.kind,
+        utterance.pause_ms,
     )
     for event in events:
         if event.WhichOneof("event") == "final" and event.final.text.strip():
@@ -423,8 +469,10 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
         "llm_scores": sum(len(o.llm_scores) for o in outcomes),
         "llm_scores_from_prefill": sum(o.prefill_scores for o in outcomes),
     }
-    for split in ("tune", "check"):
+    for split in ("tune", "check", "read"):
         rows = [o for o in up_to_600 if o.split == split]
+        if not rows:
+            continue
         summary[f"{split}_false_cutoffs_up_to_600ms"] = rate(rows)
         summary[f"{split}_dead_air_complete"] = air([o for o in rows if o.kind != "spliced"])
     return summary
@@ -509,7 +557,9 @@ async def text_scores() -> dict[str, object]:
     return report
 
 
-async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | None) -> dict[str, object]:
+async def measure(
+    clip_names: list[str], policies: list[str], kinds: set[str] | None, spoken: list[str] | None = None
+) -> dict[str, object]:
     # The services' settings as a local mesh on this machine's cores runs them (voicemesh up), then the environment's.
     split = {k: str(v) for k, v in cpus.thread_split(cpus.available_cpus()).items()}
     env = split | dict(os.environ)
@@ -523,7 +573,8 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
         engine = build_engine(config.build(LlmSettings, "llm", env=env))  # as the LLM service builds it
         await engine.start()
     llm = LlmScorer(engine) if engine is not None else None
-    utterances = [u for u in build_set(transcriber, clip_names) if kinds is None or u.kind in kinds]
+    built = spoken_set(transcriber, spoken) if spoken else build_set(transcriber, clip_names)
+    utterances = [u for u in built if kinds is None or u.kind in kinds]
     results: dict[str, object] = {"utterances": len(utterances)}
     per_policy: dict[str, list[Outcome]] = {p: [] for p in policies}
     for utterance in utterances:  # policies interleaved per utterance: drift in machine load hits both alike
@@ -568,13 +619,16 @@ async def measure(clip_names: list[str], policies: list[str], kinds: set[str] | 
 
 
 def run(
-    clips: list[str] | None = None, policies: list[str] | None = None, kinds: set[str] | None = None
+    clips: list[str] | None = None,
+    policies: list[str] | None = None,
+    kinds: set[str] | None = None,
+    spoken: list[str] | None = None,
 ) -> dict[str, object]:
     names = [c for c in (clips or list(SPLIT)) if (CLIPS / f"{c}.wav").exists()]
-    if not names:
+    if not names and not spoken:
         return {"skipped": f"no clips under {CLIPS}"}
     one_blas_thread()  # as the ASR and LLM services do when they serve
-    return asyncio.run(measure(names, policies or list(DEFAULT_POLICIES), kinds))
+    return asyncio.run(measure(names, policies or list(DEFAULT_POLICIES), kinds, spoken))
 
 
 def main() -> None:
@@ -584,13 +638,19 @@ def main() -> None:
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
     parser.add_argument("--text", action="store_true", help="only the LLM's score on text, word by word (no audio)")
+    parser.add_argument(
+        "--spoken", default="", help="instead of the clips: bench/turn_sentences.py read by Piper (tune,check,read)"
+    )
     args = parser.parse_args()
     if args.text:
         json.dump(asyncio.run(text_scores()), sys.stdout, indent=2)
         print()
         return
     kinds = set(args.kinds.split(",")) if args.kinds else None
-    result = run(args.clips.split(","), args.policies.split(","), kinds)
+    spoken = [s for s in args.spoken.split(",") if s]
+    if unknown := set(spoken) - {"tune", "check", "read"}:
+        parser.error(f"--spoken takes tune, check and read, not {','.join(sorted(unknown))}")
+    result = run(args.clips.split(","), args.policies.split(","), kinds, spoken)
     if not args.per_utterance:
         result.pop("per_utterance", None)
     json.dump(result, sys.stdout, indent=2)
