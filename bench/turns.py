@@ -35,13 +35,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import hashlib
 import json
 import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -59,6 +61,9 @@ from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Newest
+
+if TYPE_CHECKING:
+    from services.tts.piper_engine import PiperEngine
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIPS = ROOT.parent / "shared" / "audio"
@@ -223,25 +228,25 @@ def build_set(transcriber: Transcriber, clip_names: list[str]) -> list[Utterance
     return utterances
 
 
+SPOKEN_CACHE = Path.home() / ".cache" / "voicemesh" / "bench-spoken"
+
+
 def spoken_set(transcriber: Transcriber, splits: list[str]) -> list[Utterance]:
     """The sentences of bench/turn_sentences.py read by Piper (en_US-joe-medium) over room tone: each whole
     (`complete`), and cut at a word boundary ~60% in (`truncated`: the voice goes on in the middle of the sentence,
     so it should wait). Many more utterances than ../shared/audio holds, and none of them heard while tuning
-    (but the `tune` half's text); one synthetic voice, so a second opinion, not a substitute for real speech."""
+    (but the `tune` half's text); one synthetic voice, so a second opinion, not a substitute for real speech.
+
+    Piper's reading varies from run to run (its pauses and timing are sampled), so each reading is kept under
+    SPOKEN_CACHE and reused: two runs, before and after a change, hear the same audio. Delete it for new readings."""
     from bench.turn_sentences import CHECK, READ, TUNE
-    from services.tts.piper_engine import PiperEngine
-    from services.tts.server import from_first_sound_of
 
     sentences = {"tune": TUNE, "check": CHECK, "read": READ}
-    engine = PiperEngine(intra_op_threads=1)
-    rate_hz = engine.capabilities.voices[0].sample_rate_hz
     rng = np.random.default_rng(11)
     utterances: list[Utterance] = []
     for split in splits:
         for index, sentence in enumerate(sentences[split]):
-            speech = from_first_sound_of(np.concatenate(list(engine.synthesize(sentence))), rate_hz)
-            speech = resample(speech, rate_hz, 16000).astype(np.float32)
-            speech = speech[: int((speech_end_ms(speech, 16000) + 30) * 16)]
+            speech = _reading(sentence)
             tone = (rng.standard_normal(len(speech) + 4800) * 10 ** (-60 / 20)).astype(np.float32)  # -60 dBFS
             audio = tone.copy()
             audio[4800:] += speech  # 300 ms of room tone, then the sentence
@@ -258,6 +263,31 @@ def spoken_set(transcriber: Transcriber, splits: list[str]) -> list[Utterance]:
                     )
                 )
     return utterances
+
+
+def _reading(sentence: str) -> np.ndarray:
+    """Piper's reading of `sentence` at 16 kHz, first to last sound (from SPOKEN_CACHE when read before)."""
+
+    from services.tts.server import from_first_sound_of
+
+    path = SPOKEN_CACHE / f"{hashlib.sha256(sentence.encode()).hexdigest()[:16]}.npy"
+    if path.exists():
+        return np.load(path)
+    engine = _piper()
+    rate_hz = engine.capabilities.voices[0].sample_rate_hz
+    speech = from_first_sound_of(np.concatenate(list(engine.synthesize(sentence))), rate_hz)
+    speech = resample(speech, rate_hz, 16000).astype(np.float32)
+    speech = speech[: int((speech_end_ms(speech, 16000) + 30) * 16)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, speech)
+    return speech
+
+
+@functools.cache
+def _piper() -> PiperEngine:
+    from services.tts.piper_engine import PiperEngine
+
+    return PiperEngine(intra_op_threads=1)
 
 
 class RecordingScorer(TurnScorer):

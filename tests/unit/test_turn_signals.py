@@ -7,7 +7,7 @@ import pytest
 
 from services.asr.completeness import Fusion, text_completeness
 from services.asr.stream import Loudness
-from services.asr.whisper_engine import drop_repeated_tail
+from services.asr.whisper_engine import drop_repeated_tail, drop_restart, tidy
 from voicemesh.endpointing import EndpointingPolicy
 
 
@@ -66,6 +66,30 @@ def test_a_loud_speaker_reaches_the_vad_at_the_same_level_as_a_normal_one() -> N
     fresh = Loudness()
     fresh.level_dbfs = Loudness.TARGET_DBFS
     assert fresh.normalize(at_target) is at_target
+
+
+def test_whisper_starting_the_utterance_over_is_undone() -> None:
+    def said(text: str) -> str:
+        return " ".join(drop_restart(text.split()))
+
+    # Seen on finals of finished sentences read by Piper: the restart made the LLM wait the long hangover.
+    assert (
+        said("We missed the train because the taxi was late. We missed")
+        == "We missed the train because the taxi was late."
+    )
+    assert said("The hogs were fed chopped corn and garbage. The h") == "The hogs were fed chopped corn and garbage."
+    assert (
+        said("Is it safe to leave my bike outside overnight? Is it") == "Is it safe to leave my bike outside overnight?"
+    )
+    # The start of the last sentence, too.
+    assert said("The soup is bland. So what should I add? So what") == "The soup is bland. So what should I add?"
+    # Anything else after the sentence end is speech, kept.
+    for kept in ("Hi. Hi there", "I am done. I think so", "Let me think. Let us go", "We missed the train", "No. No"):
+        assert said(kept) == kept
+    # In the full cleanup, after the loop and tail repairs; a 3-word restart is a loop already.
+    assert (
+        " ".join(tidy("Ask not what your country can do. Ask not what".split())) == "Ask not what your country can do."
+    )
 
 
 def test_whisper_repeating_the_end_of_the_utterance_is_undone() -> None:
