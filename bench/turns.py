@@ -23,8 +23,9 @@ to 600 ms and over all; dead air (speech end -> commit, p50/p95) on complete utt
 utterances waited; per pause, how each signal (audio, text, fused) scored it. `python -m bench.turns`.
 
 `python -m bench.turns --spoken tune,check,read` runs the same stream over the sentences of bench/turn_sentences.py
-read by Piper instead of the clips: each whole, and cut ~60% in. One synthetic voice, but 60 sentences none of which
-was heard while tuning: where the clips are four speakers, it shows how the policy spreads.
+read by Piper instead of the clips: each whole, and cut ~60% in. One synthetic voice, but 80 sentences, none of them
+heard while tuning (the thresholds saw the `tune` half's text): where the clips are four speakers, it shows how the
+policy spreads.
 
 `python -m bench.turns --text` scores text alone, word by word through the sentences of bench/turn_sentences.py
 (40 written for it, a tune and a check half; 40 read-speech Harvard sentences), with the LLM service's engine: how

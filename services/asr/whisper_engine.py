@@ -217,9 +217,9 @@ def drop_restart(words: list[str]) -> list[str]:
     missed" -> "...was late."; "The hogs were fed chopped corn and garbage. The h" -> "...garbage.".
 
     The words after the last sentence end are dropped when they repeat the start of the utterance or of its last
-    sentence (the last of them may be a word cut short). Seen on 6 of 80 sentences read by Piper
-    (`bench.turns --spoken`), every one the finished sentence's final transcript: the restart made the language
-    model call it unfinished (P(turn end) 0.01-0.14) and the turn waited the long hangover, ~1.2 s. Restarts of 3+
+    sentence (the last of them may be a word cut short). Seen in the finals of 6 of 80 finished sentences read by
+    Piper (`bench.turns --spoken`), and at pauses inside others: the restart made the language model call the
+    finished ones unfinished (P(turn end) 0.001-0.11), and they waited the long hangover, ~1.2 s. Restarts of 3+
     words are `collapse_repetition`'s; a real speaker repeating the first words of what they just said, after a
     full stop, loses only the repeat."""
     ends = [i for i, word in enumerate(words[:-1]) if word[-1:] in ".?!"]
