@@ -175,10 +175,9 @@ def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
 
 def filler_audio() -> np.ndarray:
     """A hesitation, "um", as Piper (en_US-joe-medium) says it, at 16 kHz from its first to its last sound."""
-    from services.tts.piper_engine import PiperEngine
     from services.tts.server import from_first_sound_of
 
-    engine = PiperEngine(intra_op_threads=1)
+    engine = _piper()
     rate_hz = engine.capabilities.voices[0].sample_rate_hz
     audio = from_first_sound_of(np.concatenate(list(engine.synthesize(FILLER_TEXT))), rate_hz)
     audio = resample(audio, rate_hz, 16000)
@@ -268,7 +267,6 @@ def spoken_set(transcriber: Transcriber, splits: list[str]) -> list[Utterance]:
 
 def _reading(sentence: str) -> np.ndarray:
     """Piper's reading of `sentence` at 16 kHz, first to last sound (from SPOKEN_CACHE when read before)."""
-
     from services.tts.server import from_first_sound_of
 
     path = SPOKEN_CACHE / f"{hashlib.sha256(sentence.encode()).hexdigest()[:16]}.npy"
@@ -286,6 +284,7 @@ def _reading(sentence: str) -> np.ndarray:
 
 @functools.cache
 def _piper() -> PiperEngine:
+    """Piper (en_US-joe-medium) on one thread, loaded once for the filler and the spoken set."""
     from services.tts.piper_engine import PiperEngine
 
     return PiperEngine(intra_op_threads=1)
