@@ -229,17 +229,14 @@ def drop_restart(words: list[str]) -> list[str]:
     tail = [_norm(w) for w in words[last_end + 1 :]]
     sentence_start = ends[-2] + 1 if len(ends) > 1 else 0
     for start in {0, sentence_start}:
-        head = [_norm(w) for w in words[start : start + len(tail)]]
-        if start + len(tail) <= last_end and _restarts(tail, head):
+        if start + len(tail) <= last_end and _restarts(tail, [_norm(w) for w in words[start : start + len(tail)]]):
             return words[: last_end + 1]
     return words
 
 
 def _restarts(tail: list[str], head: list[str]) -> bool:
-    """`tail` is `head` again, its last word possibly cut short ("the h" for "the hogs")."""
-    if not tail or len(tail) != len(head) or tail[:-1] != head[:-1]:
-        return False
-    return bool(tail[-1]) and head[-1].startswith(tail[-1])
+    """`tail` is `head` (as long) again, its last word possibly cut short ("the h" for "the hogs")."""
+    return tail[:-1] == head[:-1] and bool(tail[-1]) and head[-1].startswith(tail[-1])
 
 
 def clean_tail(words: list[str]) -> list[str]:
