@@ -42,6 +42,8 @@ class PipelineOptions:
     """How long a paused reply waits for words."""
     backchannels: frozenset[str] = _TURN.backchannels
     """Acknowledgements that do not interrupt."""
+    continue_unheard_turns: bool = _TURN.continue_unheard_turns
+    """Words over a reply none of which was heard continue the user's turn."""
     max_tokens: int = MAX_TOKENS.default
     """Reply length cap in tokens."""
     buffer_whole_reply: bool = False
@@ -68,6 +70,7 @@ class PipelineOptions:
             resume_false_interruptions=self.resume_false_interruptions,
             false_interruption_timeout_ms=self.false_interruption_timeout_ms,
             backchannels=self.backchannels,
+            continue_unheard_turns=self.continue_unheard_turns,
         )
 
 
@@ -130,6 +133,7 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
         resume_false_interruptions=flag("resume_false_interruptions"),
         false_interruption_timeout_ms=false_ms,
         backchannels=frozenset(" ".join(b.lower().split()) for b in given.backchannels) or default.backchannels,
+        continue_unheard_turns=flag("continue_unheard_turns"),
         max_tokens=max_tokens,
         buffer_whole_reply=given.buffer_whole_reply,
         endpointing=to_proto(endpointing),

@@ -447,9 +447,9 @@ class Session:
                     self.playout.resume()
                     if self._current is not None:
                         self._finish_if_played(self._current)
-                case turn.Interrupt(reply_id):
+                case turn.Interrupt(reply_id, continued):
                     if self._current is not None and self._current.utterance_id == reply_id:
-                        self._interrupt(self._current)
+                        self._interrupt(self._current, continued)
                 case turn.EndTurn(reply_id):
                     if self._current is not None and self._current.utterance_id == reply_id:
                         self._end_turn(self._current)
@@ -740,18 +740,30 @@ class Session:
         self._cancel_reply(reply)
         self._apply(self.turns.on_reply_failed(reply.utterance_id))
 
-    def _interrupt(self, reply: Reply) -> None:
+    def _interrupt(self, reply: Reply, continued: bool = False) -> None:
+        """`continued`: none of the reply was heard and the user's speech continues the turn it answered, whose
+        words leave the history (the next commit carries them)."""
         dropped = self._flush_playout(reply)  # first: what was heard ends here
         spoken = " ".join(reply.spoken_chunks)
         self._cancel_reply(reply)
         log.info(
             "barge-in",
-            extra={"session_id": self.options.session_id, "spoken_chars": len(spoken), "dropped_frames": dropped},
+            extra={
+                "session_id": self.options.session_id,
+                "spoken_chars": len(spoken),
+                "dropped_frames": dropped,
+                "continued": continued,
+            },
         )
         telemetry.INTERRUPTIONS.inc()
         if reply.span is not None:
             reply.span.set_attribute("interrupted", True)
-        self._emit(interrupted=conversation_pb2.Interrupted(spoken_text=spoken), turn=reply.turn_index)
+            reply.span.set_attribute("turn.continued", continued)
+        self._emit(
+            interrupted=conversation_pb2.Interrupted(spoken_text=spoken, continued=continued), turn=reply.turn_index
+        )
+        if continued and not spoken and self.history and self.history[-1].role == "user":
+            self.history.pop()  # the turn this one continues: the next commit has its words
         self._end_turn(reply, interrupted=True)
 
     def _end_turn(self, reply: Reply, interrupted: bool = False) -> None:
@@ -899,6 +911,7 @@ class Session:
         reply.frames_sent += 1
         if frame.speech.chunk_end:
             reply.spoken_chunks.append(frame.speech.text)
+            self.turns.on_words_heard(reply.utterance_id)
         self._finish_if_played(reply)
 
     def _finish_if_played(self, reply: Reply) -> None:

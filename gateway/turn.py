@@ -5,7 +5,9 @@ be heard, and what user speech over a reply means:
 - a backchannel ("yeah", "mm-hmm"): nothing; the reply goes on;
 - a false interruption (a cough, a door, speech that yields no words in time): playout pauses while the
   speech lasts and then resumes where it paused;
-- a real interruption (words): the reply stops within a frame and the user's speech becomes the next turn.
+- a real interruption (words): the reply stops within a frame and the user's speech becomes the next turn;
+- words before any of the reply's words were heard: the turn was committed in a pause inside it, so the user's
+  speech continues that turn, and the next reply answers the words before and after the pause together.
 
 When the user's turn ends is decided by the ASR (its hangover follows a completeness score of the pause);
 this controller acts on what the ASR reports. `gateway/session.py` carries the commands out over gRPC.
@@ -46,11 +48,26 @@ class TurnPolicy:
     """A pause whose speech yields no words in this long was a false interruption: playout resumes."""
     backchannels: frozenset[str] = DEFAULT_BACKCHANNELS
     """Words and phrases that, alone, acknowledge the reply rather than interrupt it (lower case)."""
+    continue_unheard_turns: bool = True
+    """Speech that interrupts a reply none of whose words were heard yet continues the user's turn: the commit came
+    in a pause inside it ("He began a confused complaint against the wizard, | who had vanished..."). Off: the
+    words after the pause are a turn of their own, answered without the words before it."""
 
 
 def words_of(text: str) -> list[str]:
     """The spoken words of a transcript: lower case, no punctuation, no "[cough]"-style annotations."""
     return _WORD.findall(_ANNOTATION.sub(" ", text.lower()))
+
+
+def continue_line(before: str, after: str) -> str:
+    """One user line from the words before a pause and the words after it. Whisper's full stop before words that go
+    on in lower case marked the pause, not the end of a sentence."""
+    before, after = before.strip(), after.strip()
+    if not after:
+        return before
+    if before.endswith(".") and after[:1].islower():
+        before = before[:-1]
+    return f"{before} {after}" if before else after
 
 
 def is_backchannel(words: list[str], backchannels: frozenset[str]) -> bool:
@@ -124,6 +141,9 @@ class Interrupt:
     heard, marked as interrupted."""
 
     reply_id: int
+    continued: bool = False
+    """None of the reply's words had been heard: the user's speech continues the turn the reply answered, so that
+    turn's words leave the history; the next CommitReply carries them with the words that follow."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +173,9 @@ class TurnController:
     policy: TurnPolicy = field(default_factory=TurnPolicy)
     speculative: tuple[int, str] | None = None  # (reply id, the transcript it answers)
     current: int | None = None  # the committed reply, until it ends
+    _current_text: str = ""  # the user's words the current reply answers
+    _heard: bool = False  # some of the current reply's words reached the user
+    _continues: str = ""  # the words of a turn the user's speech continues (a reply cut before it was heard)
     _overlap: _Overlap | None = None
     _ids: int = 0
     _prefilled: str = ""  # the words of the user's turn in progress last prefilled
@@ -174,7 +197,7 @@ class TurnController:
         if self.policy.prefill_partials and self.current is None and self.speculative is None:
             # Every word, the last too: the LLM's turn-end score after them is what a candidate with the same words
             # would wait for. Where Whisper's guess at the last word changes, the next prefill evaluates it again.
-            words = " ".join(text.split())
+            words = self._whole(" ".join(text.split()))
             if words != self._prefilled and words_of(words):
                 self._prefilled = words
                 commands.append(Prefill(words))
@@ -202,9 +225,10 @@ class TurnController:
                 return commands
             commands.append(CancelReply(self.speculative[0]))
         self.speculative = (self._next_id(), text)
+        whole = self._whole(text)
         known = self._prefill_score
-        turn_end = known[1] if known is not None and known[0] == tuple(words_of(text)) else None
-        commands.append(StartReply(self.speculative[0], text, speculative=True, turn_end=turn_end))
+        turn_end = known[1] if known is not None and known[0] == tuple(words_of(whole)) else None
+        commands.append(StartReply(self.speculative[0], whole, speculative=True, turn_end=turn_end))
         return commands
 
     def on_speech_resumed(self, now_ms: float) -> list[Command]:
@@ -226,17 +250,18 @@ class TurnController:
                     ResumePlayout(self.current, "backchannel" if overlap.backchannel else "false_interruption")
                 )
             return commands + self._drop_speculative()
-        if not words_of(text):
+        if not words_of(text) and not self._continues:
             return commands + self._drop_speculative()  # noise: no reply
+        whole = self._whole(text)
         if self.speculative is not None and self.speculative[1] == text:
             reply_id = self.speculative[0]
             self.speculative = None
         else:
             commands += self._drop_speculative()
             reply_id = self._next_id()
-            commands.append(StartReply(reply_id, text, speculative=False))
-        self.current = reply_id
-        commands.append(CommitReply(reply_id, text))
+            commands.append(StartReply(reply_id, whole, speculative=False))
+        self.current, self._current_text, self._heard, self._continues = reply_id, whole, False, ""
+        commands.append(CommitReply(reply_id, whole))
         return commands
 
     def on_asr_restarted(self) -> list[Command]:
@@ -245,6 +270,11 @@ class TurnController:
         return self._drop_speculative()
 
     # ---- reply progress ------------------------------------------------------------------------------------
+    def on_words_heard(self, reply_id: int) -> None:
+        """Words of the committed reply were played to the user (a chunk of its text went out whole)."""
+        if reply_id == self.current:
+            self._heard = True
+
     def on_reply_done(self, reply_id: int) -> list[Command]:
         """The committed reply's last frame went out."""
         if reply_id != self.current:
@@ -325,8 +355,15 @@ class TurnController:
     def _interrupt(self) -> list[Command]:
         assert self.current is not None
         reply_id = self.current
+        continued = self.policy.continue_unheard_turns and not self._heard
+        if continued:
+            self._continues = self._current_text
         self.current, self._overlap = None, None
-        return [Interrupt(reply_id)]
+        return [Interrupt(reply_id, continued)]
+
+    def _whole(self, text: str) -> str:
+        """The user's turn so far: `text`, after the words of the turn it continues, if any."""
+        return continue_line(self._continues, text) if self._continues else text
 
     def _drop_speculative(self) -> list[Command]:
         if self.speculative is None:

@@ -54,6 +54,7 @@ class ReplyAudio:
 class Interrupted:
     turn_index: int
     spoken_text: str
+    continued: bool = False  # nothing was heard: the next turn's text includes this turn's words
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def event_from(message: conversation_pb2.ConverseEvent, first_audio_us: dict[int
             turn, frame.data, frame.sample_rate_hz, message.reply_audio.text, frame.capture_time_us, now, frame.seq
         )
     if kind == "interrupted":
-        return Interrupted(turn, message.interrupted.spoken_text)
+        return Interrupted(turn, message.interrupted.spoken_text, message.interrupted.continued)
     if kind == "reply_done":
         return ReplyDone(turn, message.reply_done.text)
     if kind == "metrics":

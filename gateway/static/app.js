@@ -193,6 +193,8 @@ function onEvent(message) {
       state.interrupts.push({ turn: t, at_ms: Date.now(), stopped_ms: state.playing ? null : Date.now() });
       turn(t).interrupted = true;
       renderTurn(turn(t));
+      // None of the reply was heard: the user went on with the same turn, whose next user_final has these words.
+      if (message.continued) $(`turn-${t}`).hidden = true;
       if (player) player.port.postMessage({ type: "flush" });
       break;
     case "metrics":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 from collections.abc import AsyncIterator
 
@@ -113,22 +114,52 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gat
     interrupted = [i for i, e in enumerate(events) if isinstance(e, Interrupted)]
     replies = "".join(e.text_delta for e in events if isinstance(e, ReplyText))
     assert interrupted, f"speech over the reply interrupts it; heard {[t.user_text for t in turns]}, said {replies!r}"
-    index = interrupted[0]
-    event = events[index]
-    turn = event.turn_index
-    assert not any(isinstance(e, ReplyAudio) and e.turn_index == turn for e in events[index:]), "no audio after"
-    reply_text = "".join(e.text_delta for e in events if isinstance(e, ReplyText) and e.turn_index == turn)
-    spoken = event.spoken_text
-    assert len(spoken) < len(reply_text), "the reply was cut short"
+    told = story(events)
+    for index in interrupted:
+        event = events[index]
+        turn = event.turn_index
+        assert not any(isinstance(e, ReplyAudio) and e.turn_index == turn for e in events[index:]), (
+            f"audio after: {told}"
+        )
+        reply_text = "".join(e.text_delta for e in events if isinstance(e, ReplyText) and e.turn_index == turn)
+        assert len(event.spoken_text) < len(reply_text), f"the reply was cut short: {told}"
+        assert event.continued == (not event.spoken_text), f"a reply none of which was heard continues the turn: {told}"
     session_id = next(e.session_id for e in events if type(e).__name__ == "Started")
     history = gateway.servicer.history(session_id)
-    # The interrupted turn's reply (the question's, unless the model answered it in one short sentence before the
-    # user spoke): as far as it was heard and marked as cut short; no entry if none of it was heard.
+    lines = [(entry.role, entry.text, entry.interrupted) for entry in history]
+    # The interrupted replies as far as they were heard, marked as cut short; none for a reply nobody heard a word of.
     cut_short = [(entry.text, entry.interrupted) for entry in history if entry.interrupted]
-    assert cut_short == ([(spoken, True)] if spoken else []), "only what was heard, marked as cut short"
+    spoken = [(events[i].spoken_text, True) for i in interrupted if events[i].spoken_text]
+    assert cut_short == spoken, f"only what was heard, marked as cut short: {lines} {told}"
     heard_whole = [entry for entry in history if entry.role == "assistant" and not entry.interrupted]
     assert all(entry.text.strip() for entry in heard_whole), "replies heard in full are kept whole"
-    assert any("wizard" in t.user_text.lower() for t in turns), "the interruption became the next turn"
+    roles = [entry.role for entry in history]
+    assert ("user", "user") not in itertools.pairwise(roles), f"a turn nobody was answered in goes on: {lines}"
+    assert any("wizard" in t.user_text.lower() for t in turns), f"the interruption became the next turn: {told}"
+    # The wizard sentence pauses at its comma. A reply started in that pause and cut before a word of it was heard
+    # leaves the sentence whole in one user line; apart, only with some of the reply heard in between.
+    for position, entry in enumerate(history):
+        if entry.role == "user" and "vanish" in entry.text.lower() and "wizard" not in entry.text.lower():
+            assert position and history[position - 1].interrupted, f"the sentence continued: {lines} {told}"
+
+
+def story(events: list) -> list[str]:
+    """The session's events in short, one line per user turn, reply and interruption: for failure messages."""
+    lines: list[str] = []
+    for event in events:
+        if isinstance(event, UserTranscript) and event.final:
+            lines.append(f"{event.turn_index} user {event.text!r}")
+        elif isinstance(event, ReplyDone):
+            lines.append(f"{event.turn_index} reply {event.text!r}")
+        elif isinstance(event, Interrupted):
+            continued = " (the turn goes on)" if event.continued else ""
+            lines.append(f"{event.turn_index} interrupted after {event.spoken_text!r}{continued}")
+        elif isinstance(event, TurnMetrics):
+            server = event.server
+            lines.append(
+                f"{event.turn_index} hangover {server.hangover_ms} ms, P(turn end) {server.turn_end_probability:.2f}"
+            )
+    return lines
 
 
 async def speech_of(services: dict[str, str], text: str, heard_as: tuple[str, ...] = ()) -> Clip:

@@ -156,6 +156,25 @@ async def test_an_interruption_drops_the_queued_audio_at_once_and_keeps_only_wha
         await session.close()
 
 
+async def test_words_before_any_of_the_reply_was_heard_continue_the_users_turn_in_one_history_line() -> None:
+    session, backends = await committed_reply("One two three four five six.")
+    try:
+        await play(session, FRAMES_PER_WORD - 1)  # a sound of the reply, but not one word of it whole
+        drain(session)
+        backends.say(partial=asr_pb2.Partial(text="in London"))
+        await until(lambda: session.history == [])  # the cut turn's words wait for the rest
+        interrupted = [event.interrupted for kind, event in drain(session) if kind == "interrupted"]
+        assert [(i.spoken_text, i.continued) for i in interrupted] == [("", True)]
+        assert session.playout.queued == 0 and session.playout.take() is None, "nothing more of the reply leaves"
+        backends.say(final=asr_pb2.Final(text="in London?"))
+        await until(lambda: session.playout.queued > 0)
+        finals = [event.user_final.text for kind, event in drain(session) if kind == "user_final"]
+        assert finals == ["what time is it in London?"]
+        assert [(e.role, e.text) for e in session.history] == [("user", "what time is it in London?")]
+    finally:
+        await session.close()
+
+
 async def test_a_pause_holds_the_audio_and_the_resume_plays_on_from_where_it_paused() -> None:
     session, backends = await committed_reply(
         "One two three four.", barge_in_min_speech_ms=50, false_interruption_timeout_ms=100

@@ -13,18 +13,21 @@ from gateway.turn import (
     StartReply,
     TurnController,
     TurnPolicy,
+    continue_line,
     is_backchannel,
     words_of,
 )
 
 
-def replying(policy: TurnPolicy | None = None) -> TurnController:
-    """A controller whose first reply is committed and playing."""
+def replying(policy: TurnPolicy | None = None, heard: bool = True) -> TurnController:
+    """A controller whose first reply is committed and playing; `heard`: its first words were played."""
     controller = TurnController(policy or TurnPolicy())
     controller.on_speech_started(0)
     controller.on_speech_stopped(1500)
     controller.on_candidate(1600, "What is the time?")
     assert controller.on_final(1700, "What is the time?") == [CommitReply(1, "What is the time?")]
+    if heard:
+        controller.on_words_heard(1)
     return controller
 
 
@@ -80,6 +83,7 @@ def test_partials_prefill_all_their_words_when_they_change_and_only_between_repl
     controller.on_candidate(1000, "The child almost hurt the small dog.")
     assert controller.on_partial(1100, "The child almost hurt the small dog again") == []  # a reply is under way
     controller.on_final(1200, "The child almost hurt the small dog.")
+    controller.on_words_heard(1)
     controller.on_speech_started(1300)
     assert controller.on_partial(1500, "Yeah okay") == []  # a backchannel over the reply: it plays on
     # Words interrupt: the reply stops, and the words are the next turn's, prefilled from the first.
@@ -184,6 +188,59 @@ def test_words_over_the_reply_interrupt_it_and_become_the_next_turn() -> None:
     controller.on_speech_stopped(3600)
     assert controller.on_candidate(3700, "Wait, stop.") == [StartReply(2, "Wait, stop.", True)]
     assert controller.on_final(3800, "Wait, stop.") == [CommitReply(2, "Wait, stop.")]
+
+
+def test_words_before_any_of_the_reply_was_heard_continue_the_turn() -> None:
+    # Committed in a pause inside the sentence; the user goes on before a word of the reply was played.
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_speech_stopped(2900)
+    controller.on_candidate(2950, "He began a confused complaint against the wizard.")
+    controller.on_final(3000, "He began a confused complaint against the wizard.")
+    controller.on_speech_started(3400)
+    assert controller.on_partial(3700, "who had vanished") == [
+        Interrupt(1, continued=True),
+        Prefill("He began a confused complaint against the wizard who had vanished"),
+    ]
+    controller.on_speech_stopped(5000)
+    whole = "He began a confused complaint against the wizard who had vanished behind the curtain."
+    assert controller.on_candidate(5050, "who had vanished behind the curtain.") == [StartReply(2, whole, True)]
+    assert controller.on_final(5100, "who had vanished behind the curtain.") == [CommitReply(2, whole)]
+    # The next turn is a turn of its own again.
+    controller.on_words_heard(2)
+    assert controller.on_reply_done(2) == [EndTurn(2)]
+    assert controller.on_final(9000, "Thanks.") == [StartReply(3, "Thanks.", False), CommitReply(3, "Thanks.")]
+
+
+def test_a_reply_heard_in_part_is_interrupted_and_the_words_are_a_turn_of_their_own() -> None:
+    controller = replying(heard=True)
+    controller.on_speech_started(3000)
+    assert controller.on_partial(3250, "and the date") == [Interrupt(1, continued=False), Prefill("and the date")]
+
+
+def test_continuing_an_unheard_turn_is_switchable() -> None:
+    controller = replying(TurnPolicy(continue_unheard_turns=False), heard=False)
+    controller.on_speech_started(3000)
+    assert controller.on_partial(3250, "and the date") == [Interrupt(1), Prefill("and the date")]
+
+
+def test_a_continued_turn_whose_speech_had_no_words_is_answered_as_it_was() -> None:
+    # Without false-interruption handling, long wordless speech interrupts; it yields no words, so the turn it
+    # continued is answered alone rather than never.
+    controller = replying(TurnPolicy(resume_false_interruptions=False), heard=False)
+    controller.on_speech_started(3000)
+    assert controller.tick(3500) == [Interrupt(1, continued=True)]
+    assert controller.on_final(4200, "") == [
+        StartReply(2, "What is the time?", False),
+        CommitReply(2, "What is the time?"),
+    ]
+
+
+def test_a_continued_line_drops_the_full_stop_only_before_lower_case() -> None:
+    assert continue_line("He began against the wizard.", "who had gone.") == "He began against the wizard who had gone."
+    assert continue_line("What is the time?", "And the date?") == "What is the time? And the date?"
+    assert continue_line("Stop.", "Tell me a joke.") == "Stop. Tell me a joke."
+    assert continue_line("Hello.", "") == "Hello."
 
 
 def test_a_short_word_over_the_reply_interrupts_once_it_is_transcribed() -> None:
