@@ -114,6 +114,7 @@ class Reply:
     utterance_id: int
     user_text: str
     speculative: bool
+    messages: list[llm_pb2.ChatMessage] = field(default_factory=list)  # the dialogue it answers, as it started
     committed: bool = False
     cancelled: bool = False
     llm_task: asyncio.Task[None] | None = None
@@ -485,6 +486,9 @@ class Session:
         pause gets it now, and the reply does not ask for another."""
         event = self._last_event or asr_pb2.RecognizeEvent()
         reply = Reply(reply_id, user_text, speculative)
+        # The dialogue as it is now: a reply started on the final is committed at once, and its user line enters
+        # the history before the LLM call is made (it was then in the prompt twice, and the model echoed it).
+        reply.messages = self._messages(user_text)
         reply.mark("reply_started")
         reply.asr_event = event
         if speculative and event.WhichOneof("event") == "endpoint_candidate":
@@ -571,7 +575,7 @@ class Session:
     async def _generate(self, reply: Reply) -> None:
         request = llm_pb2.GenerateRequest(
             session_id=self.options.session_id,
-            messages=self._messages(reply.user_text),
+            messages=reply.messages,
             max_tokens=self.pipeline.max_tokens,
             # The LLM says how finished the user's words sound (unless a prefill said it of the same words); the ASR
             # waits for the pause accordingly.

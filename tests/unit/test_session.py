@@ -14,7 +14,7 @@ from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
 from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
 from voicemesh import telemetry
 from voicemesh.errors import RequestError
-from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, tts_pb2
+from voicemesh.v1 import asr_pb2, audio_pb2, conversation_pb2, llm_pb2, tts_pb2
 
 
 def new_session(backends: FakeBackends, **options: Any) -> Session:
@@ -171,6 +171,21 @@ async def test_words_before_any_of_the_reply_was_heard_continue_the_users_turn_i
         finals = [event.user_final.text for kind, event in drain(session) if kind == "user_final"]
         assert finals == ["what time is it in London?"]
         assert [(e.role, e.text) for e in session.history] == [("user", "what time is it in London?")]
+    finally:
+        await session.close()
+
+
+async def test_a_reply_started_on_the_final_has_the_users_words_once_in_its_prompt() -> None:
+    # No speculative start: the reply starts and is committed at once, and the commit puts the words in the history
+    # before the LLM call goes out. They were in its prompt twice, and the model answered by repeating them.
+    backends = FakeBackends(reply="It is noon.")
+    session = new_session(backends, speculative_start=False)
+    try:
+        await until(lambda: backends.tts_connected)
+        backends.say(final=asr_pb2.Final(text="what time is it"))
+        await until(lambda: len(backends.generates) == 1)
+        assert [(m.role, m.content) for m in backends.generates[0].messages] == [(llm_pb2.ROLE_USER, "what time is it")]
+        assert [(e.role, e.text) for e in session.history] == [("user", "what time is it")]
     finally:
         await session.close()
 
