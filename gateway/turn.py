@@ -50,8 +50,9 @@ class TurnPolicy:
     """Words and phrases that, alone, acknowledge the reply rather than interrupt it (lower case)."""
     continue_unheard_turns: bool = True
     """Speech that interrupts a reply none of whose words were heard yet continues the user's turn: the commit came
-    in a pause inside it ("He began a confused complaint against the wizard, | who had vanished..."). Off: the
-    words after the pause are a turn of their own, answered without the words before it."""
+    in a pause inside it ("He began a confused complaint against the wizard, | who had vanished..."). Such speech
+    pauses the reply as it starts, not after `barge_in_min_speech_ms`. Off: the words after the pause are a turn
+    of their own, answered without the words before it."""
 
 
 def words_of(text: str) -> list[str]:
@@ -296,7 +297,9 @@ class TurnController:
         policy = self.policy
         if overlap.paused_ms is None:
             speech_ms = (overlap.stopped_ms if overlap.stopped_ms is not None else now_ms) - overlap.started_ms
-            if speech_ms >= policy.barge_in_min_speech_ms:
+            # Over a reply none of whose words were heard, speech most likely goes on with the turn: pause at once.
+            unheard = policy.continue_unheard_turns and not self._heard and overlap.stopped_ms is None
+            if speech_ms >= policy.barge_in_min_speech_ms or (unheard and policy.resume_false_interruptions):
                 if not policy.resume_false_interruptions:
                     return self._interrupt()
                 overlap.paused_ms = now_ms

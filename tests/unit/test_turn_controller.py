@@ -212,6 +212,15 @@ def test_words_before_any_of_the_reply_was_heard_continue_the_turn() -> None:
     assert controller.on_final(9000, "Thanks.") == [StartReply(3, "Thanks.", False), CommitReply(3, "Thanks.")]
 
 
+def test_speech_over_a_reply_none_of_which_was_heard_pauses_it_at_once_and_a_cough_resumes_it() -> None:
+    controller = replying(heard=False)
+    assert controller.on_speech_started(1900) == [PausePlayout(1)]  # not after barge_in_min_speech_ms
+    controller.on_speech_stopped(2100)
+    assert controller.on_final(2300, "") == [ResumePlayout(1, "false_interruption")]
+    controller.on_words_heard(1)
+    assert controller.on_speech_started(3000) == []  # heard: speech over it waits for words or 500 ms as before
+
+
 def test_a_reply_heard_in_part_is_interrupted_and_the_words_are_a_turn_of_their_own() -> None:
     controller = replying(heard=True)
     controller.on_speech_started(3000)
