@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import asr_batch, asr_urgency, llm_batch, pipeline, routing, services, turns
+from bench import asr_batch, asr_urgency, continuation, llm_batch, pipeline, routing, services, turns
 from bench.chaos import __main__ as chaos
 from voicemesh import loadtest
 
@@ -25,6 +25,9 @@ def main() -> None:
     end_of_turn = turns.run()
     end_of_turn.pop("per_utterance", None)
     results["end_of_turn"] = end_of_turn
+    continued = continuation.run(list(continuation.DEFAULT_CLIPS))
+    continued.pop("per_utterance", None)
+    results["continued_turns"] = continued
     results["llm_routing"] = routing.run()
     results["llm_batched_decode"] = llm_batch.run()
     results["asr_batched_finals"] = asr_batch.run()
