@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 
+from bench import print_result
 from bench.turns import CLIPS, build_set
 from gateway.turn import words_of
 from voicemesh.audio import Clip
@@ -115,10 +114,7 @@ def main() -> None:
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
     args = parser.parse_args()
     result = run(args.clips.split(","))
-    if not args.per_utterance:
-        result.pop("per_utterance", None)
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    print_result(result, drop=None if args.per_utterance else "per_utterance")
 
 
 if __name__ == "__main__":

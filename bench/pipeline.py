@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
+from bench import print_result
 from voicemesh.audio import read_wav
 from voicemesh.conversation import TalkTurn, talk
 from voicemesh.mesh import local_mesh
@@ -178,10 +177,7 @@ def main() -> None:
     parser.add_argument("--per-turn", action="store_true", help="include every turn in the output")
     args = parser.parse_args()
     result = run(args.modes.split(","), args.clips.split(","), args.rounds, args.target)
-    if not args.per_turn:
-        result.pop("per_turn", None)
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    print_result(result, drop=None if args.per_turn else "per_turn")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from bench import print_result
 from gateway.turn import CancelReply, Prefill, StartReply, TurnController, TurnPolicy
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
 from services.asr.engine import Transcriber
@@ -681,10 +682,7 @@ def main() -> None:
     if unknown := set(spoken) - {"tune", "check", "read"}:
         parser.error(f"--spoken takes tune, check and read, not {','.join(sorted(unknown))}")
     result = run(args.clips.split(","), args.policies.split(","), kinds, spoken)
-    if not args.per_utterance:
-        result.pop("per_utterance", None)
-    json.dump(result, sys.stdout, indent=2)
-    print()
+    print_result(result, drop=None if args.per_utterance else "per_utterance")
 
 
 if __name__ == "__main__":
