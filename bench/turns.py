@@ -176,12 +176,7 @@ def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
 
 def filler_audio() -> np.ndarray:
     """A hesitation, "um", as Piper (en_US-joe-medium) says it, at 16 kHz from its first to its last sound."""
-    from services.tts.server import from_first_sound_of
-
-    engine = _piper()
-    rate_hz = engine.capabilities.voices[0].sample_rate_hz
-    audio = from_first_sound_of(np.concatenate(list(engine.synthesize(FILLER_TEXT))), rate_hz)
-    audio = resample(audio, rate_hz, 16000)
+    audio = _piper_says(FILLER_TEXT)
     return audio[: int(speech_end_ms(audio, 16000) * 16)]
 
 
@@ -268,19 +263,23 @@ def spoken_set(transcriber: Transcriber, splits: list[str]) -> list[Utterance]:
 
 def _reading(sentence: str) -> np.ndarray:
     """Piper's reading of `sentence` at 16 kHz, first to last sound (from SPOKEN_CACHE when read before)."""
-    from services.tts.server import from_first_sound_of
-
     path = SPOKEN_CACHE / f"{hashlib.sha256(sentence.encode()).hexdigest()[:16]}.npy"
     if path.exists():
         return np.load(path)
-    engine = _piper()
-    rate_hz = engine.capabilities.voices[0].sample_rate_hz
-    speech = from_first_sound_of(np.concatenate(list(engine.synthesize(sentence))), rate_hz)
-    speech = resample(speech, rate_hz, 16000).astype(np.float32)
+    speech = _piper_says(sentence).astype(np.float32)
     speech = speech[: int((speech_end_ms(speech, 16000) + 30) * 16)]
     path.parent.mkdir(parents=True, exist_ok=True)
     np.save(path, speech)
     return speech
+
+
+def _piper_says(text: str) -> np.ndarray:
+    """Piper's reading of `text` at 16 kHz, from its first sound."""
+    from services.tts.server import from_first_sound_of
+
+    engine = _piper()
+    rate_hz = engine.capabilities.voices[0].sample_rate_hz
+    return resample(from_first_sound_of(np.concatenate(list(engine.synthesize(text))), rate_hz), rate_hz, 16000)
 
 
 @functools.cache
