@@ -172,7 +172,7 @@ class TurnController:
     """One session's turn state. Call the `on_*` methods as things happen and `tick` at `next_tick_ms`."""
 
     policy: TurnPolicy = field(default_factory=TurnPolicy)
-    speculative: tuple[int, str] | None = None  # (reply id, the transcript it answers)
+    speculative: tuple[int, str] | None = None  # (reply id, the user's line it answers)
     current: int | None = None  # the committed reply, until it ends
     _current_text: str = ""  # the user's words the current reply answers
     _heard: bool = False  # some of the current reply's words reached the user
@@ -221,19 +221,19 @@ class TurnController:
         commands = self._overlap_words(now_ms, text)
         if self.current is not None or not self.policy.speculative_start or not words_of(text):
             return commands + self.tick(now_ms)
-        if self.speculative is not None:
-            if self.speculative[1] == text:
-                return commands
-            commands.append(CancelReply(self.speculative[0]))
-        self.speculative = (self._next_id(), text)
         whole = self._whole(text)
+        if self.speculative is not None:
+            if self._answers(whole):
+                return commands  # the reply to an earlier candidate with these words goes on
+            commands.append(CancelReply(self.speculative[0]))
+        self.speculative = (self._next_id(), whole)
         known = self._prefill_score
         turn_end = known[1] if known is not None and known[0] == tuple(words_of(whole)) else None
         commands.append(StartReply(self.speculative[0], whole, speculative=True, turn_end=turn_end))
         return commands
 
     def on_speech_resumed(self, now_ms: float) -> list[Command]:
-        """The user went on talking after a candidate: its speculative reply is withdrawn."""
+        """The user went on talking after a pause: a speculative reply to it is withdrawn."""
         commands = self._drop_speculative()
         if self._overlap is not None:
             self._overlap.stopped_ms = None
@@ -254,7 +254,7 @@ class TurnController:
         if not words_of(text) and not self._continues:
             return commands + self._drop_speculative()  # noise: no reply
         whole = self._whole(text)
-        if self.speculative is not None and self.speculative[1] == text:
+        if self.speculative is not None and self._answers(whole):
             reply_id = self.speculative[0]
             self.speculative = None
         else:
@@ -367,6 +367,11 @@ class TurnController:
     def _whole(self, text: str) -> str:
         """The user's turn so far: `text`, after the words of the turn it continues, if any."""
         return continue_line(self._continues, text) if self._continues else text
+
+    def _answers(self, whole: str) -> bool:
+        """The speculative reply answers the same words as `whole`, case and punctuation aside: a final and the
+        candidate before it differ only there when the final comes from another decode of the same speech."""
+        return self.speculative is not None and words_of(self.speculative[1]) == words_of(whole)
 
     def _drop_speculative(self) -> list[Command]:
         if self.speculative is None:

@@ -14,7 +14,7 @@ class Event(enum.Enum):
     SPEECH_STARTED = "speech_started"
     SPEECH_STOPPED = "speech_stopped"  # first silent window of a pause: score it, start the final decode
     ENDPOINT_CANDIDATE = "endpoint_candidate"
-    SPEECH_RESUMED = "speech_resumed"
+    SPEECH_RESUMED = "speech_resumed"  # the pause SPEECH_STOPPED opened is over (its candidate, if any, withdrawn)
     END_OF_TURN = "end_of_turn"
 
 
@@ -112,10 +112,8 @@ class Endpointer:
         self._silence_ms = self._blip_ms = 0
         self.completeness, self.decisive, self.awaiting = None, False, False
         self.speech_end_ms = self.now_ms
-        if self.candidate:
-            self.candidate = False
-            return [Event.SPEECH_RESUMED]
-        return []
+        self.candidate = False
+        return [Event.SPEECH_RESUMED]
 
     def _silence(self) -> list[Event]:
         self._speech_run_ms = 0

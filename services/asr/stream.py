@@ -84,7 +84,6 @@ class RecognitionStream:
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
         self._draft_offset_ms = 0
-        self._candidate_emitted = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -141,9 +140,7 @@ class RecognitionStream:
             self._announce_candidate()
         elif event is Event.SPEECH_RESUMED:
             self._draft = None
-            if self._candidate_emitted:
-                self._candidate_emitted = False
-                self._send(asr_pb2.RecognizeEvent(speech_resumed=asr_pb2.SpeechResumed()))
+            self._send(asr_pb2.RecognizeEvent(speech_resumed=asr_pb2.SpeechResumed()))
         elif event is Event.END_OF_TURN:
             if self._draft is None or self.config.final_after_end_of_turn:
                 self._start_draft()
@@ -228,7 +225,6 @@ class RecognitionStream:
         )
         self._draft = draft
         self._draft_offset_ms = offset_ms
-        self._candidate_emitted = False
         self._last_partial_ms = self._endpointer.now_ms
         turn = self.turn_index
 
@@ -253,7 +249,6 @@ class RecognitionStream:
         async def announce() -> None:
             result = await draft
             if self._draft is draft and self.turn_index == turn and self._endpointer.candidate:
-                self._candidate_emitted = True
                 candidate = asr_pb2.EndpointCandidate(
                     text=result.result.text, words=_words(result.result, offset_ms), pause_id=pause_id
                 )
@@ -272,7 +267,6 @@ class RecognitionStream:
         self._score_ms.clear()
         self.turn_index += 1
         self._draft = None
-        self._candidate_emitted = False
         self._stabilizer.reset()
 
         async def finish() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -184,6 +185,44 @@ async def test_baseline_final_pass_starts_only_at_the_end_of_the_turn() -> None:
     commit_window = SPEECH_WINDOWS + 8  # 256 ms
     assert calls[0] == candidate_window
     assert calls[-1] == commit_window
+    assert kinds.count("final") == 1
+
+
+class ScriptedVad:
+    """Speech and silence by the window, as `script` lists them: (is speech, windows) runs, then silence."""
+
+    def __init__(self, script: list[tuple[bool, int]]) -> None:
+        self.windows = 0
+        self._states = [speech for speech, count in script for _ in range(count)]
+
+    def probability(self, window: np.ndarray) -> float:
+        self.windows += 1
+        return 0.9 if self.windows <= len(self._states) and self._states[self.windows - 1] else 0.0
+
+
+class SlowTranscriber(FakeTranscriber):
+    """A decode that takes longer than a short pause inside the speech."""
+
+    def transcribe(self, audio: np.ndarray, options: DecodeOptions | None = None) -> Transcript:
+        time.sleep(0.15)
+        return super().transcribe(audio, options)
+
+
+async def test_speech_after_a_pause_shorter_than_its_draft_is_reported_as_resumed() -> None:
+    # 64 ms of silence inside the speech: the draft started there is still decoding when the speech comes back, so no
+    # candidate was sent; a listener that was told the speech stopped must still hear that it resumed.
+    vad = ScriptedVad([(True, 20), (False, 2), (True, 10)])
+    events: list[asr_pb2.RecognizeEvent] = []
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
+    policy = EndpointingPolicy(hangover_ms=256, fixed_hangover=True)
+    stream = RecognitionStream(config, policy, vad, SlowTranscriber(vad), WorkerPool(1, "test-asr"), events.append)
+    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+    for seq in range(32 + 12):
+        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(0.005)
+    await stream.drain()
+    kinds = [e.WhichOneof("event") for e in events if e.WhichOneof("event") != "partial"]
+    assert kinds[:4] == ["speech_started", "speech_stopped", "speech_resumed", "speech_stopped"]
     assert kinds.count("final") == 1
 
 

@@ -67,6 +67,13 @@ def test_a_final_that_differs_from_the_candidate_replaces_the_speculative_reply(
     ]
 
 
+def test_a_final_with_the_candidates_words_in_other_case_or_punctuation_keeps_the_speculative_reply() -> None:
+    controller = TurnController()
+    assert controller.on_candidate(100, "and so, my friends") == [StartReply(1, "and so, my friends", True)]
+    assert controller.on_candidate(200, "And so my friends.") == []  # another pause, the same words: it goes on
+    assert controller.on_final(400, "And so my friends.") == [CommitReply(1, "And so my friends.")]
+
+
 def test_without_speculative_start_the_reply_starts_on_the_final() -> None:
     controller = TurnController(TurnPolicy(speculative_start=False))
     assert controller.on_candidate(100, "Hi.") == []
