@@ -325,3 +325,15 @@ def test_words_and_backchannels_of_a_transcript() -> None:
     assert is_backchannel(words_of("Oh, I see."), defaults)
     assert not is_backchannel(words_of("I see a problem."), defaults)
     assert not is_backchannel([], defaults)
+    # Hums as Whisper spells them from one decode to the next (tiny.en wrote "Mm-m-m-" for a hum and "MM" for an
+    # "mm-hmm"); and the acknowledgements people say over a reply that the first list missed.
+    for hum in ("Mm-m-m-", "MM", "M.", "Hmmm.", "Mmhmm.", "Mhmm", "mm-hm", "Uhm.", "Ahh.", "Erm,", "Uhhuh."):
+        assert is_backchannel(words_of(hum), defaults), hum
+    for said in ("All right.", "Exactly. Exactly.", "Wow.", "Oh, nice.", "That's right.", "Makes sense.", "I know."):
+        assert is_backchannel(words_of(said), defaults), said
+    # Words that merely look like hums, and hums before words, still interrupt.
+    for said in ("Ma!", "Home.", "Hum.", "Hmm, wait.", "Um, stop.", "No.", "Oh no.", "Really?", "I know, but why?"):
+        assert not is_backchannel(words_of(said), defaults), said
+    # A session's own list replaces the words, not the hums.
+    assert is_backchannel(words_of("Mmm."), frozenset({"yes"}))
+    assert not is_backchannel(words_of("Okay."), frozenset({"yes"}))
