@@ -98,22 +98,32 @@ async def test_two_turns_share_history_and_the_prefix_cache(gateway) -> None:
 async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gateway) -> None:
     # A question answered at length: spk1_snt1's one-line answer could end before the barge-in is heard (it did
     # once in a full suite: no Interrupted at all).
-    question = await speech_of(services, "Can you tell me a long story about a dragon?", ("story", "dragon"))
     config = conversation_pb2.SessionConfig(
         system_prompt="A talkative assistant who always answers with three long sentences.",
         options=conversation_pb2.PipelineOptions(max_tokens=120),
     )
-    turns, _, events = await talk(
-        target(gateway),
-        question,
-        config,
-        trailing_silence_s=5.0,
-        inject=[(AfterFirstAudio(0.5), load_clip("wizard"))],  # the user talks over the reply, 0.5 s into it
-    )
+    misheard: list[str] = []
+    for _ in range(3):
+        question = await speech_of(services, "Can you tell me a long story about a dragon?", ("story", "dragon"))
+        turns, _, events = await talk(
+            target(gateway),
+            question,
+            config,
+            trailing_silence_s=5.0,
+            inject=[(AfterFirstAudio(0.5), load_clip("wizard"))],  # the user talks over the reply, 0.5 s into it
+        )
+        # The premise: the question was heard as asked. A take the live stream mishears ("Can you? Tell me along."
+        # in one full suite, though the take's own transcript had "story" and "dragon") gets a four-word answer
+        # that is over before the user speaks; that says nothing about barge-in, so the scenario runs again.
+        if any(word in t.user_text.lower() for t in turns for word in ("story", "dragon")):
+            break
+        misheard.append(" | ".join(t.user_text for t in turns))
+    else:
+        raise AssertionError(f"the question was misheard in three takes: {misheard}")
     interrupted = [i for i, e in enumerate(events) if isinstance(e, Interrupted)]
     replies = "".join(e.text_delta for e in events if isinstance(e, ReplyText))
-    assert interrupted, f"speech over the reply interrupts it; heard {[t.user_text for t in turns]}, said {replies!r}"
     told = story(events)
+    assert interrupted, f"speech over the reply interrupts it; said {replies!r}: {told}"
     for index in interrupted:
         event = events[index]
         turn = event.turn_index
