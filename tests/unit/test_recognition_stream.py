@@ -43,6 +43,19 @@ ENGLISH_ONLY = TranscriberCapabilities(
 )
 
 
+# A steady tone: never "quiet", so the (fake) VAD alone decides speech and silence.
+TONE = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
+
+
+async def feed(stream: RecognitionStream, windows: int, pause_s: float = 0.01) -> None:
+    """`windows` windows of tone, one at a time, letting decodes run between them as they would in real time; then
+    wait for the decodes in flight."""
+    for seq in range(windows):
+        stream.push_frame(audio_pb2.AudioFrame(data=TONE, seq=seq, sample_rate_hz=16000))
+        await asyncio.sleep(pause_s)
+    await stream.drain()
+
+
 class FakeTranscriber:
     """Records at which VAD window each decode was asked for, and with which options."""
 
@@ -70,12 +83,7 @@ async def _stream_events(
     vad = transcriber.vad
     pool = WorkerPool(1, "test-asr")
     stream = RecognitionStream(config, policy, vad, transcriber, pool, events.append, partials=partials)
-    # A steady tone: never "quiet", so the fake VAD alone decides speech and silence.
-    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
-        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
-        await asyncio.sleep(0.01)  # let decodes run between windows, as they would in real time
-    await stream.drain()
+    await feed(stream, SPEECH_WINDOWS + PAUSE_WINDOWS)
     return events
 
 
@@ -158,11 +166,7 @@ async def test_partials_a_decision_waits_on_are_decoded_beside_finals_and_never_
         config, policy, vad, finals, pool, events.append, partials=(captions, FakeJammedPool(1, "jammed"))
     )
     stream.set_urgency(asr_pb2.Urgency(partials=urgency))  # the user speaks over a reply, or not
-    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-    for seq in range(SPEECH_WINDOWS):
-        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
-        await asyncio.sleep(0.01)
-    await stream.drain()
+    await feed(stream, SPEECH_WINDOWS)
     partials = [event for event in events if event.WhichOneof("event") == "partial"]
     if urgency == asr_pb2.PARTIAL_URGENCY_CAPTIONS:
         assert not partials and not finals.calls, "captions are shed while decodes queue"
@@ -216,11 +220,7 @@ async def test_speech_after_a_pause_shorter_than_its_draft_is_reported_as_resume
     config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
     policy = EndpointingPolicy(hangover_ms=256, fixed_hangover=True)
     stream = RecognitionStream(config, policy, vad, SlowTranscriber(vad), WorkerPool(1, "test-asr"), events.append)
-    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-    for seq in range(32 + 12):
-        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
-        await asyncio.sleep(0.005)
-    await stream.drain()
+    await feed(stream, 32 + 12, 0.005)
     kinds = [e.WhichOneof("event") for e in events if e.WhichOneof("event") != "partial"]
     assert kinds[:4] == ["speech_started", "speech_stopped", "speech_resumed", "speech_stopped"]
     assert kinds.count("final") == 1
@@ -261,11 +261,7 @@ async def _scored_run(scorer: TurnScorer, lm_probability: float | None = None) -
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=lm_probability))
 
     stream = RecognitionStream(config, policy, vad, FakeTranscriber(vad), WorkerPool(1, "test-asr"), emit, scorer)
-    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
-        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
-        await asyncio.sleep(0.01)
-    await stream.drain()
+    await feed(stream, SPEECH_WINDOWS + PAUSE_WINDOWS)
     scorer.close()
     return events
 
@@ -316,10 +312,6 @@ async def test_a_decode_that_raises_ends_the_call_instead_of_losing_the_turn_in_
     stream = RecognitionStream(
         config, policy, transcriber.vad, transcriber, WorkerPool(1, "test-asr"), events.append, fail=failures.append
     )
-    tone = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-    for seq in range(SPEECH_WINDOWS + PAUSE_WINDOWS):
-        stream.push_frame(audio_pb2.AudioFrame(data=tone, seq=seq, sample_rate_hz=16000))
-        await asyncio.sleep(0.01)
-    await stream.drain()
+    await feed(stream, SPEECH_WINDOWS + PAUSE_WINDOWS)
     assert failures and all("decoder exploded" in str(error) for error in failures)
     assert not any(e.WhichOneof("event") == "final" for e in events)
