@@ -13,6 +13,7 @@ import grpc
 from opentelemetry.trace import Span, StatusCode
 
 from services.llm.engine import Engine, GenerationRequest, Message
+from services.llm.vocabulary import LATIN1, VOCABULARIES, latin1_model
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
@@ -36,6 +37,12 @@ class LlmSettings(config.ServerSettings):
     port: int = config.setting(50062, "gRPC port")
     engine: str = config.setting("llama_cpp", "llama_cpp (embedded CPU default) or vllm")
     model_path: str = config.setting("", "GGUF file for llama_cpp; empty = Gemma 3 270M Q4_K_M from its package")
+    vocabulary: str = config.setting(
+        LATIN1,
+        "llama_cpp: latin1 = the GGUF cut to the tokens of ASCII and Latin-1 text, written once into ~/.cache "
+        "(same replies and turn-end scores for such text, ~30% less time per token for Gemma 3; a GGUF without a "
+        "SentencePiece vocabulary is used whole); full = every token (conversations in other scripts)",
+    )
     n_threads: int = config.setting(
         2, "llama.cpp threads for token generation (it slows sharply when the cores are oversubscribed)"
     )
@@ -153,6 +160,13 @@ def build_engine(settings: LlmSettings) -> Engine:
         from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
 
         path = Path(settings.model_path) if settings.model_path else default_model_path()
+        if settings.vocabulary not in VOCABULARIES:
+            raise SystemExit(f"llm: vocabulary={settings.vocabulary!r} unknown; use one of {', '.join(VOCABULARIES)}")
+        if settings.vocabulary == LATIN1 and path.is_file():  # (a missing file is the engine's to report)
+            try:
+                path = latin1_model(path)
+            except ValueError as exc:
+                log.info("the model's vocabulary is used whole", extra={"reason": str(exc)})
         if settings.max_batch != 1 and settings.slots > 1:
             raise SystemExit("max_batch above 1 decodes every reply in one context: leave slots at 1")
         try:
