@@ -34,9 +34,10 @@ def _pieces(llama: Llama, text: str) -> list[bytes]:
 
 
 def _turn_end(llama: Llama, ends: np.ndarray, text: str) -> float:
+    """P(turn end) after `text`, from the logits of its last token (the only row llama.cpp computes)."""
     llama.reset()
     llama.eval(llama.tokenize(text.encode(), add_bos=True))
-    return turn_end_probability(np.asarray(llama.scores[llama.n_tokens - 1]), ends)
+    return turn_end_probability(np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),)), ends)
 
 
 def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
@@ -44,10 +45,6 @@ def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
     paths = {"full": full_path, "latin1": latin1_model(full_path)}
     models = {
         name: Llama(model_path=str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads, verbose=False)
-        for name, path in paths.items()
-    }
-    scorers = {
-        name: Llama(model_path=str(path), n_ctx=2048, n_threads=threads, logits_all=True, verbose=False)
         for name, path in paths.items()
     }
     prompt = CompletionPrompt()
@@ -74,14 +71,14 @@ def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
         if replies["full"] != replies["latin1"]:
             different_replies.append({"user": sentence, **replies})
 
-    ends = {name: end_tokens(llama) for name, llama in scorers.items()}
+    ends = {name: end_tokens(llama) for name, llama in models.items()}
     differences = []
     for sentence in sentences:
         words = sentence.rstrip(".?!").split()
         for count in (len(words), max(1, len(words) // 2)):
             text = prompt.render([Message("user", " ".join(words[:count]))])
             text = text[: prompt.turn_end_offset(text)]
-            full, latin1 = (_turn_end(scorers[name], ends[name], text) for name in ("full", "latin1"))
+            full, latin1 = (_turn_end(models[name], ends[name], text) for name in ("full", "latin1"))
             differences.append(abs(full - latin1))
 
     step_ms: dict[str, list[float]] = {name: [] for name in models}
