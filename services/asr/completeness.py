@@ -34,6 +34,15 @@ CONTINUATION_WORDS = frozenset(
     not""".split()
 )
 _WORD = re.compile(r"[a-z0-9']+")
+FILLER_WORDS = frozenset({"um", "umm", "uhm", "uh", "uhh", "er", "erm", "ehm"})
+"""Filled pauses: a speaker who ends on one is thinking, not done ("The child almost hurt the small dog. Um."). Not
+the hums ("mm", "hmm"), which are whole answers too ("Mm-hmm.")."""
+
+
+def ends_in_filler(text: str) -> bool:
+    """The transcript's last word is a filled pause: the turn is not over, whatever the words before it say."""
+    words = _WORD.findall(text.lower())
+    return bool(words) and words[-1] in FILLER_WORDS
 
 
 def smart_turn_path() -> Path:

@@ -61,16 +61,19 @@ class FakeTranscriber:
 
     name = "fake"
 
-    def __init__(self, vad: FakeVad, capabilities: TranscriberCapabilities = ENGLISH_ONLY) -> None:
+    def __init__(
+        self, vad: FakeVad, capabilities: TranscriberCapabilities = ENGLISH_ONLY, text: str = "hello there."
+    ) -> None:
         self.vad = vad
         self.capabilities = capabilities
+        self.text = text
         self.calls: list[int] = []
         self.options: list[DecodeOptions] = []
 
     def transcribe(self, audio: np.ndarray, options: DecodeOptions | None = None) -> Transcript:
         self.calls.append(self.vad.windows)
         self.options.append(options or DecodeOptions())
-        return Transcript(text="hello there.", language=(options or DecodeOptions()).language or "de")
+        return Transcript(text=self.text, language=(options or DecodeOptions()).language or "de")
 
 
 async def _stream_events(
@@ -246,9 +249,11 @@ class SlowScorer(TurnScorer):
         return 0.0
 
 
-async def _scored_run(scorer: TurnScorer, lm_probability: float | None = None) -> list[asr_pb2.RecognizeEvent]:
-    """One utterance and its pause; with `lm_probability`, the client answers the endpoint candidate with it as
-    the gateway does with the LLM's score."""
+async def _scored_run(
+    scorer: TurnScorer, lm_probability: float | None = None, text: str = "hello there."
+) -> list[asr_pb2.RecognizeEvent]:
+    """One utterance (transcribed as `text`) and its pause; with `lm_probability`, the client answers the endpoint
+    candidate with it as the gateway does with the LLM's score."""
     vad = FakeVad()
     events: list[asr_pb2.RecognizeEvent] = []
     config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
@@ -260,7 +265,8 @@ async def _scored_run(scorer: TurnScorer, lm_probability: float | None = None) -
             pause_id = event.endpoint_candidate.pause_id
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=lm_probability))
 
-    stream = RecognitionStream(config, policy, vad, FakeTranscriber(vad), WorkerPool(1, "test-asr"), emit, scorer)
+    transcriber = FakeTranscriber(vad, text=text)
+    stream = RecognitionStream(config, policy, vad, transcriber, WorkerPool(1, "test-asr"), emit, scorer)
     await feed(stream, SPEECH_WINDOWS + PAUSE_WINDOWS)
     scorer.close()
     return events
@@ -294,6 +300,18 @@ async def test_a_language_model_score_of_the_candidate_commits_after_the_short_h
 async def test_a_language_model_that_hears_no_end_holds_the_turn_open() -> None:
     events = await _scored_run(TurnScorer(None), lm_probability=0.001)  # PAUSE_WINDOWS of silence: < 1200 ms
     assert not any(e.WhichOneof("event") == "final" for e in events)
+
+
+@pytest.mark.parametrize("text", ["The child almost hurt the small dog. Um.", "I would like, uh", "Erm..."])
+async def test_a_transcript_ending_in_a_filled_pause_waits_long_whatever_the_language_model_says(text: str) -> None:
+    events = await _scored_run(TurnScorer(None), lm_probability=0.9, text=text)
+    assert any(e.WhichOneof("event") == "endpoint_candidate" for e in events)
+    assert not any(e.WhichOneof("event") == "final" for e in events), "committed in the pause after the filler"
+
+
+async def test_a_hum_as_the_whole_answer_is_not_a_filled_pause() -> None:
+    events = await _scored_run(TurnScorer(None), lm_probability=0.9, text="Mm-hmm.")
+    assert _final(events).hangover_ms == 64
 
 
 class BrokenTranscriber(FakeTranscriber):
