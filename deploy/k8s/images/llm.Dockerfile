@@ -40,8 +40,8 @@ RUN apt-get update \
     && useradd --system --uid 10001 --gid voicemesh --home-dir /home/voicemesh --create-home \
        --shell /usr/sbin/nologin voicemesh
 COPY --from=builder /opt/venv /opt/venv
-# HOME must be writable: the packaged GGUF is assembled into ~/.cache on first start
-# (an emptyDir in Kubernetes, where the root filesystem is read-only).
+# HOME must be writable: the packaged GGUF is assembled into ~/.cache on first start, and cut to its Latin-1
+# vocabulary beside it (an emptyDir in Kubernetes, where the root filesystem is read-only).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
