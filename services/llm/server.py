@@ -167,6 +167,8 @@ def build_engine(settings: LlmSettings) -> Engine:
                 path = latin1_model(path)
             except ValueError as exc:
                 log.info("the model's vocabulary is used whole", extra={"reason": str(exc)})
+            except OSError as exc:  # no room or no write access for the cut: slower, but serving
+                log.warning("could not write the Latin-1 cut; the whole vocabulary is used", extra={"error": repr(exc)})
         if settings.max_batch != 1 and settings.slots > 1:
             raise SystemExit("max_batch above 1 decodes every reply in one context: leave slots at 1")
         try:

@@ -105,3 +105,14 @@ def test_a_vocabulary_that_is_not_sentencepiece_is_not_cut(tmp_path: Path) -> No
 def test_an_unknown_vocabulary_setting_is_refused_at_start() -> None:
     with pytest.raises(SystemExit, match="vocabulary='klingon' unknown; use one of latin1, full"):
         build_engine(LlmSettings(vocabulary="klingon"))
+
+
+def test_a_cache_it_cannot_write_to_leaves_the_whole_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packaged = default_model_path()
+    home = tmp_path / "home"
+    home.write_text("a file where the home directory should be")
+    monkeypatch.setenv("HOME", str(home))
+    engine = build_engine(LlmSettings(model_path=str(packaged)))
+    assert engine.model_path == packaged  # type: ignore[attr-defined]  # both llama.cpp engines have it
