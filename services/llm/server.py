@@ -40,7 +40,7 @@ class LlmSettings(config.ServerSettings):
     vocabulary: str = config.setting(
         LATIN1,
         "llama_cpp: latin1 = the GGUF cut to the tokens of ASCII and Latin-1 text, written once into ~/.cache "
-        "(same replies and turn-end scores for such text, ~30% less time per token for Gemma 3; a GGUF without a "
+        "(same replies and turn-end scores for such text, ~27% less time per token for Gemma 3; a GGUF without a "
         "SentencePiece vocabulary is used whole); full = every token (conversations in other scripts)",
     )
     n_threads: int = config.setting(
