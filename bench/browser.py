@@ -137,6 +137,26 @@ def isolate_network() -> bool:
     return True
 
 
+def _story(state: dict[str, Any]) -> dict[str, Any]:
+    """The page state a failure prints: every turn in a line (its metrics and hops left out, which made one turn
+    ~1 KB and cut the story off after three turns), the interrupts, the errors and the last events."""
+    turns = [
+        {
+            key: turn.get(key)
+            for key in ("index", "user_text", "reply_text", "interrupted", "continued", "played_ms", "v2v_ms")
+            if turn.get(key) is not None
+        }
+        for turn in state.get("turns", {}).values()
+    ]
+    events = state.get("events", [])
+    return {
+        **{k: v for k, v in state.items() if k not in ("events", "turns")},
+        "turns": turns,
+        "errors": [e for e in events if e.get("type") == "error"][-5:],
+        "last_events": [e.get("type") for e in events][-20:],
+    }
+
+
 class PageDriver:
     """The gateway's page in a browser tab, read through its `window.voicemesh.state`."""
 
@@ -164,10 +184,8 @@ class PageDriver:
                 return await self.state()
             if time.monotonic() > deadline:
                 state = await self.state()
-                summary = {k: v for k, v in state.items() if k != "events"}
-                summary["last_events"] = [e.get("type") for e in state.get("events", [])][-15:]
                 raise AssertionError(
-                    f"page never reached `{expression}` in {timeout_s:.0f} s: {json.dumps(summary)[:3000]}\n"
+                    f"page never reached `{expression}` in {timeout_s:.0f} s: {json.dumps(_story(state))}\n"
                     + "\n".join(self.console[-20:])
                 )
             await asyncio.sleep(0.1)
