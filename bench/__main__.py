@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import asr_batch, asr_urgency, continuation, llm_batch, pipeline, routing, services, turns
+from bench import asr_batch, asr_urgency, continuation, llm_batch, pipeline, routing, services, turns, vocabulary
 from bench.chaos import __main__ as chaos
 from voicemesh import loadtest
 
@@ -30,6 +30,7 @@ def main() -> None:
     results["continued_turns"] = continued
     results["llm_routing"] = routing.run()
     results["llm_batched_decode"] = llm_batch.run()
+    results["llm_vocabulary"] = vocabulary.run()
     results["asr_batched_finals"] = asr_batch.run()
     results["asr_partial_urgency"] = asr_urgency.run()
     audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
