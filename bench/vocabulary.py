@@ -22,22 +22,23 @@ from llama_cpp import Llama
 from bench import print_result
 from bench.turn_sentences import CHECK, READ, TUNE
 from services.llm.engine import Message
-from services.llm.llama_cpp_engine import default_model_path, end_tokens, turn_end_probability
+from services.llm.llama_cpp_engine import default_model_path, end_tokens, logits_at, turn_end_probability
 from services.llm.prompt import CompletionPrompt
 from services.llm.vocabulary import latin1_model
 
 OUTSIDE_LATIN1 = ("Das Café schließt um 18 Uhr – schade…", "東京の天気は？", "Ça coûte 5 € 🙂", "Привет, как дела?")  # noqa: RUF001 (text in other scripts, on purpose)
 
 
-def _pieces(llama: Llama, text: str) -> list[bytes]:
+def pieces(llama: Llama, text: str) -> list[bytes]:
+    """How `llama` tokenizes `text`, as the bytes of each piece (comparable across vocabularies, unlike ids)."""
     return [llama.detokenize([token]) for token in llama.tokenize(text.encode(), add_bos=False)]
 
 
-def _turn_end(llama: Llama, ends: np.ndarray, text: str) -> float:
-    """P(turn end) after `text`, from the logits of its last token (the only row llama.cpp computes)."""
+def turn_end_after(llama: Llama, ends: np.ndarray, text: str) -> float:
+    """P(turn end) after `text` (`ends`: `end_tokens(llama)`), from the logits of its last token."""
     llama.reset()
     llama.eval(llama.tokenize(text.encode(), add_bos=True))
-    return turn_end_probability(np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),)), ends)
+    return turn_end_probability(logits_at(llama, -1), ends)
 
 
 def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
@@ -52,9 +53,9 @@ def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
     head = prompt.render([Message("user", "Hello.")])
     lines = sentences + head.split("\n")
 
-    different_tokens = [line for line in lines if _pieces(models["full"], line) != _pieces(models["latin1"], line)]
+    different_tokens = [line for line in lines if pieces(models["full"], line) != pieces(models["latin1"], line)]
     outside = {
-        text: {name: len(_pieces(llama, text)) for name, llama in models.items()}
+        text: {name: len(pieces(llama, text)) for name, llama in models.items()}
         | {"round_trip": models["latin1"].detokenize(models["latin1"].tokenize(text.encode(), add_bos=False)).decode()}
         for text in OUTSIDE_LATIN1
     }
@@ -78,7 +79,7 @@ def run(rounds: int = 5, threads: int = 2) -> dict[str, object]:
         for count in (len(words), max(1, len(words) // 2)):
             text = prompt.render([Message("user", " ".join(words[:count]))])
             text = text[: prompt.turn_end_offset(text)]
-            full, latin1 = (_turn_end(models[name], ends[name], text) for name in ("full", "latin1"))
+            full, latin1 = (turn_end_after(models[name], ends[name], text) for name in ("full", "latin1"))
             differences.append(abs(full - latin1))
 
     step_ms: dict[str, list[float]] = {name: [] for name in models}

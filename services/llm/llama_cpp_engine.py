@@ -510,7 +510,7 @@ class LlamaCppEngine:
         done = Prefilled(len(tokens), cached, llama.n_tokens - cached)
         if len(self._end_tokens) and llama.n_tokens == len(tokens):
             # The logits of the last token evaluated (llama.cpp keeps only those): the row after the user's last word.
-            logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),))
+            logits = logits_at(llama, -1)
             done = dataclasses.replace(
                 done,
                 turn_end=turn_end_probability(logits, self._end_tokens),
@@ -551,7 +551,7 @@ class LlamaCppEngine:
                 llama._batch.batch.logits[word - first] = True
             llama._ctx.decode(llama._batch)
             if first <= word < first + len(chunk):
-                scored = np.ctypeslib.as_array(llama._ctx.get_logits_ith(word - first), shape=(llama.n_vocab(),))
+                scored = logits_at(llama, word - first)
             llama.input_ids[first : first + len(chunk)] = chunk
             llama.n_tokens = first + len(chunk)
         llama._requires_eval = False  # the last row is live: create_completion samples from it at once
@@ -597,6 +597,11 @@ def split_at_turn_end(
     if tokens[: len(head)] != head:
         tokens = head + tokenize(text[offset:], False)
     return tokens, len(head) - 1 if len(head) < len(tokens) else None
+
+
+def logits_at(llama: Llama, row: int) -> np.ndarray:
+    """The logits of row `row` of the last batch evaluated (-1: its last token), a view into llama.cpp's buffer."""
+    return np.ctypeslib.as_array(llama._ctx.get_logits_ith(row), shape=(llama.n_vocab(),))
 
 
 def turn_end_probability(logits: np.ndarray, end_ids: np.ndarray) -> float:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
+from bench.vocabulary import pieces, turn_end_after
 from services.llm.engine import Message
-from services.llm.llama_cpp_engine import default_model_path, end_tokens, turn_end_probability
+from services.llm.llama_cpp_engine import default_model_path, end_tokens
 from services.llm.prompt import CompletionPrompt
 from services.llm.server import LlmSettings, build_engine
 from services.llm.vocabulary import keeps, latin1_model
@@ -35,10 +36,6 @@ def models() -> dict[str, Llama]:
     }
 
 
-def pieces(llama: Llama, text: str) -> list[bytes]:
-    return [llama.detokenize([token]) for token in llama.tokenize(text.encode(), add_bos=False)]
-
-
 def test_the_cut_is_written_once_and_reused() -> None:
     first = latin1_model(default_model_path())
     written = first.stat().st_mtime_ns
@@ -58,15 +55,11 @@ def test_latin1_text_is_the_same_to_both_models(models: dict[str, Llama]) -> Non
         for llama in (full, latin1)
     ]
     assert replies[0] == replies[1] and replies[0].strip()
+    ends = {llama: end_tokens(llama) for llama in (full, latin1)}  # a pass over every token: once per model
     for sentence in SENTENCES:
         text = prompt.render([Message("user", sentence)])
         text = text[: prompt.turn_end_offset(text)]
-        scores = []
-        for llama in (full, latin1):
-            llama.reset()
-            llama.eval(llama.tokenize(text.encode(), add_bos=True))
-            logits = np.ctypeslib.as_array(llama._ctx.get_logits_ith(-1), shape=(llama.n_vocab(),))
-            scores.append(turn_end_probability(logits, end_tokens(llama)))
+        scores = [turn_end_after(llama, ends[llama], text) for llama in (full, latin1)]
         assert scores[1] == pytest.approx(scores[0], abs=1e-3), sentence
 
 
