@@ -56,6 +56,8 @@ MODES = {
     "c_all_on": conversation_pb2.PipelineOptions(),  # the gateway's defaults
     # (c) without the LLM's prefill of partial transcripts (not in the default run).
     "c_no_prefill": conversation_pb2.PipelineOptions(prefill_partials=False),
+    # (c) with replies started only at the first silence, not on a partial the LLM scores finished.
+    "c_no_partial_start": conversation_pb2.PipelineOptions(start_on_partials=False),
     # (c) with the old fixed 288 ms hangover instead of the completeness-scored one (not in the default run).
     "c_fixed_hangover": conversation_pb2.PipelineOptions(endpointing=asr_pb2.EndpointingConfig(fixed_hangover=True)),
 }

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from bench import print_result
-from gateway.turn import CancelReply, Prefill, StartReply, TurnController, TurnPolicy
+from gateway.turn import CancelReply, Command, Prefill, StartReply, TurnController, TurnPolicy
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
 from services.asr.engine import Transcriber
 from services.asr.server import AsrSettings, RecognizerServicer
@@ -85,6 +85,7 @@ class Policy(NamedTuple):
     llm: bool  # scored by the LLM as the gateway does
     prefill: bool = True  # with llm: the partials' words prefilled while the user speaks, as the gateway does
     prefill_scores: bool = True  # with prefill: a candidate whose words a prefill scored takes that score at once
+    start_on_partials: bool = True  # with prefill: a partial whose prefill scores finished starts the reply at once
 
 
 POLICIES = {
@@ -95,6 +96,7 @@ POLICIES = {
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
+    "llm_no_partial_start": Policy(EndpointingPolicy(), False, True, start_on_partials=False),
 }
 DEFAULT_POLICIES = ("fixed_288", "text", "audio_text", "llm")
 
@@ -318,17 +320,21 @@ class LlmScorer:
         self._reply_scores: dict[int, float] = {}  # reply id -> its P(turn end), once in
         self._reply_pauses: dict[int, int] = {}  # reply id -> the pause its score goes to
         self.turns = TurnController(TurnPolicy(prefill_partials=False))
+        self._stream: RecognitionStream | None = None
         self._prefills = Newest(self._prefill, held=lambda: bool(self._replies))  # one at a time, as the gateway
 
-    def new_utterance(self, prefill: bool, prefill_scores: bool = True) -> None:
-        self.prefill_scores = prefill_scores
+    def new_utterance(self, policy: Policy) -> None:
+        self.prefill_scores = policy.prefill_scores
         self.scores.clear()
         self.scored_by_prefill = 0
         self._reply_scores.clear()
         self._reply_pauses.clear()
-        self.turns = TurnController(TurnPolicy(prefill_partials=prefill))
+        self.turns = TurnController(
+            TurnPolicy(prefill_partials=policy.prefill, start_on_partials=policy.start_on_partials)
+        )
 
     def on_event(self, stream: RecognitionStream, event: asr_pb2.RecognizeEvent) -> None:
+        self._stream = stream
         kind = event.WhichOneof("event")
         if kind == "partial":
             commands = self.turns.on_partial(0, event.partial.text)
@@ -343,11 +349,15 @@ class LlmScorer:
             commands = self.turns.on_final(0, event.final.text.strip())
         else:
             return
+        self._apply(stream, commands, event.endpoint_candidate.pause_id)
+
+    def _apply(self, stream: RecognitionStream, commands: list[Command], pause_id: int = 0) -> None:
+        """`pause_id`: the candidate's, for a reply it starts (0: started on a partial, before any pause)."""
         for command in commands:
             if isinstance(command, Prefill):
                 self._prefills.offer(command.user_text)
             elif isinstance(command, StartReply) and command.speculative:
-                reply_id, pause_id = command.reply_id, event.endpoint_candidate.pause_id
+                reply_id = command.reply_id
                 self._reply_pauses[reply_id] = pause_id
                 if command.turn_end is not None and self.prefill_scores:  # a prefill scored these words: now
                     self.scored_by_prefill += 1
@@ -361,21 +371,27 @@ class LlmScorer:
     def _rescore(self, stream: RecognitionStream, pause_id: int) -> None:
         """A candidate with the speculative reply's words: that reply scores this pause too, as in the gateway."""
         speculative = self.turns.speculative
-        if speculative is None or speculative[0] not in self._replies:
+        reply_id = speculative[0] if speculative is not None else None
+        # A reply started on a partial may have written all its words before the speech stopped: it is the
+        # controller's speculative reply still (as in the gateway), and its score stands.
+        if reply_id is None or (reply_id not in self._replies and reply_id not in self._reply_scores):
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, declined=True))
             return
-        self._reply_pauses[speculative[0]] = pause_id
-        if (probability := self._reply_scores.get(speculative[0])) is not None:
+        self._reply_pauses[reply_id] = pause_id
+        if (probability := self._reply_scores.get(reply_id)) is not None:
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
 
     async def _prefill(self, user_text: str) -> None:
         done = await self.engine.prefill(SESSION, [Message("user", user_text)])
-        self.turns.on_prefilled(user_text, done.turn_end)
+        commands = self.turns.on_prefilled(user_text, done.turn_end if self.prefill_scores else None)
+        if self._stream is not None:
+            self._apply(self._stream, commands)  # a score that says the turn is finished starts the reply
 
     def _scored(self, stream: RecognitionStream, reply_id: int, text: str, probability: float) -> None:
         self.scores.append((text, probability))
         self._reply_scores[reply_id] = probability
-        stream.turn_score(asr_pb2.TurnScore(pause_id=self._reply_pauses[reply_id], probability=probability))
+        if pause_id := self._reply_pauses[reply_id]:  # else started on a partial: the candidate gets it (_rescore)
+            stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
 
     async def _reply(self, stream: RecognitionStream, reply_id: int, text: str) -> None:
         scored = reply_id in self._reply_scores
@@ -396,13 +412,13 @@ class LlmScorer:
 
 async def run_one(
     utterance: Utterance,
-    policy: EndpointingPolicy,
+    bench_policy: Policy,
     asr: RecognizerServicer,
     scorer: RecordingScorer,
     llm: LlmScorer | None = None,
-    prefill: bool = True,
-    prefill_scores: bool = True,
 ) -> Outcome:
+    """`llm`: the gateway's part (`bench_policy.llm`), else no LLM scores."""
+    policy = bench_policy.endpointing
     events: list[asr_pb2.RecognizeEvent] = []
     recognition = asr_pb2.RecognitionConfig(  # as the gateway asks
         session_id="bench",
@@ -421,7 +437,7 @@ async def run_one(
     vad = StreamingVad(asr.vad_session)
     stream = RecognitionStream(recognition, policy, vad, asr.transcriber, asr.pool, emit, scorer, partials=asr.partials)
     if llm is not None:
-        llm.new_utterance(prefill, prefill_scores)
+        llm.new_utterance(bench_policy)
     audio = np.concatenate([utterance.audio, np.zeros(int(TRAILING_S * utterance.rate_hz), np.float32)])
     frames = Clip(audio, utterance.rate_hz).frames(FRAME_MS)
     scorer.records.clear()
@@ -611,15 +627,7 @@ async def measure(
         for name in policies:
             policy = POLICIES[name]
             scorer = scorers[policy.audio]
-            outcome = await run_one(
-                utterance,
-                policy.endpointing,
-                asr,
-                scorer,
-                llm if policy.llm else None,
-                policy.prefill,
-                policy.prefill_scores,
-            )
+            outcome = await run_one(utterance, policy, asr, scorer, llm if policy.llm else None)
             per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():
         results[name] = summarize(outcomes)

@@ -24,6 +24,8 @@ class PipelineOptions:
     """Start the reply on the ASR endpoint candidate; its audio is released only once the turn commits."""
     prefill_partials: bool = _TURN.prefill_partials
     """While the user speaks, the LLM loads the dialogue with the partial transcript's words into its cache."""
+    start_on_partials: bool = _TURN.start_on_partials
+    """A partial whose words the LLM scores a finished turn starts the reply before the speech stops."""
     tts_chunking: tts_pb2.ChunkingPolicy = tts_pb2.CHUNKING_POLICY_WORDS
     """When reply text goes to TTS."""
     tts_lookahead_words: int = LOOKAHEAD_WORDS.default
@@ -65,6 +67,7 @@ class PipelineOptions:
         return TurnPolicy(
             speculative_start=self.speculative_start,
             prefill_partials=self.prefill_partials,
+            start_on_partials=self.start_on_partials,
             barge_in=self.barge_in,
             barge_in_min_speech_ms=self.barge_in_min_speech_ms,
             resume_false_interruptions=self.resume_false_interruptions,
@@ -124,6 +127,7 @@ def resolve(config: conversation_pb2.SessionConfig, new_id: str) -> SessionOptio
     pipeline = PipelineOptions(
         speculative_start=flag("speculative_start"),
         prefill_partials=flag("prefill_partials"),
+        start_on_partials=flag("start_on_partials"),
         tts_chunking=given.tts_chunking or default.tts_chunking,
         tts_lookahead_words=lookahead,
         asr_decode_window=given.asr_decode_window or default.asr_decode_window,

@@ -491,9 +491,11 @@ class Session:
         reply.messages = self._messages(user_text)
         reply.mark("reply_started")
         reply.asr_event = event
-        if speculative and event.WhichOneof("event") == "endpoint_candidate":
+        candidate = event.WhichOneof("event") == "endpoint_candidate"
+        if speculative and candidate:
             reply.pause_id, reply.asr_stream = event.endpoint_candidate.pause_id, self._asr_streams
-        start_us = event.speech_end_capture_time_us or epoch_us()
+        # A reply started on a partial starts before the speech ends: its span starts now.
+        start_us = (event.speech_end_capture_time_us if candidate or not speculative else 0) or epoch_us()
         reply.span = TRACER.start_span(
             "turn",
             start_time=start_us * 1000,
@@ -506,10 +508,10 @@ class Session:
             },
         )
         self._replies[reply.utterance_id] = reply
-        if reply.pause_id and turn_end is not None and self.backends.llm_scores_turn_end:
+        if turn_end is not None and self.backends.llm_scores_turn_end:
             telemetry.TURN_END_SCORES.labels("prefill").inc()
             reply.span.set_attribute("turn_end.from_prefill", True)
-            self._turn_score(reply, turn_end)
+            self._turn_score(reply, turn_end)  # to its pause now, or (started on a partial) to the candidate's
         reply.llm_task = asyncio.ensure_future(self._supervised("llm", functools.partial(self._generate, reply)))
         return reply
 
@@ -519,7 +521,8 @@ class Session:
         try:
             response = await self.backends.prefill(request)
             if response is not None and response.HasField("turn_end") and (self._turn, len(self.history)) == dialogue:
-                self.turns.on_prefilled(user_text, response.turn_end.probability)  # of the dialogue as it still is
+                # Of the dialogue as it still is; a score that says the turn is finished may start the reply now.
+                self._apply(self.turns.on_prefilled(user_text, response.turn_end.probability))
         except grpc.aio.AioRpcError as error:  # best effort: the reply then evaluates these words itself
             telemetry.PREFILLS.labels("failed").inc()
             log.info(
@@ -638,12 +641,16 @@ class Session:
 
     def _rescore(self, pause_id: int) -> None:
         """A candidate that starts no reply: the speculative reply to the same words, if one runs, scores this pause
-        too (its score, or the one still coming); otherwise no score will come."""
+        too (its score, or the one still coming); otherwise no score will come. A reply started on a partial has
+        its prefill's score already, and this is the first pause it answers."""
         speculative = self.turns.speculative
         reply = self._replies.get(speculative[0]) if speculative is not None else None
-        if reply is None or not reply.pause_id or not self.backends.llm_scores_turn_end:
+        scored = reply is not None and (reply.pause_id or reply.turn_end is not None)
+        if reply is None or not scored or not self.backends.llm_scores_turn_end:
             self._send_turn_score(pause_id, None)
             return
+        if not reply.pause_id:
+            reply.asr_event = self._last_event  # the decode whose words it answers, for the turn's ASR stages
         reply.pause_id, reply.asr_stream = pause_id, self._asr_streams
         if reply.turn_end is not None:
             self._send_turn_score(pause_id, reply.turn_end)
@@ -654,7 +661,7 @@ class Session:
         if probability is not None:
             reply.mark("turn_scored")
             reply.turn_end = probability
-        if reply.asr_stream == self._asr_streams and not reply.cancelled:
+        if reply.pause_id and reply.asr_stream == self._asr_streams and not reply.cancelled:
             self._send_turn_score(reply.pause_id, probability)
 
     def _send_turn_score(self, pause_id: int, probability: float | None) -> None:

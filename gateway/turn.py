@@ -19,6 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from voicemesh.endpointing import LM_COMPLETE_AT
+
 DEFAULT_BACKCHANNELS = frozenset(
     {
         "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "all right", "uh-huh", "mm-hmm", "mhm",
@@ -41,6 +43,15 @@ class TurnPolicy:
     """Start the reply on the ASR endpoint candidate; it is heard only once the turn commits."""
     prefill_partials: bool = True
     """While the user speaks, load the dialogue with the words of each partial transcript into the LLM's cache."""
+    start_on_partials: bool = True
+    """With `speculative_start` and `prefill_partials`: start the reply while the user is still speaking, once the
+    prefill of the newest partial transcript scores its words a finished turn (P(turn end) at or above
+    `start_on_partials_at`). By the time the speech stops and the ASR's draft confirms the same words, the reply's
+    first audio is ready, instead of only then starting the LLM and TTS. Like any speculative reply it is heard
+    only once the turn commits with the same words; a partial or candidate with other words cancels it."""
+    start_on_partials_at: float = LM_COMPLETE_AT
+    """The P(turn end) from which a partial starts the reply: the score that also takes the short wait, so the
+    turns that commit soonest after the speech stops are those whose reply is ready soonest."""
     barge_in: bool = True
     """User speech over the reply can interrupt it."""
     barge_in_min_speech_ms: int = 500
@@ -177,6 +188,7 @@ class TurnController:
 
     policy: TurnPolicy = field(default_factory=TurnPolicy)
     speculative: tuple[int, str] | None = None  # (reply id, the user's line it answers)
+    started_on_partial: bool = False  # the speculative reply started on a partial; no candidate has confirmed it yet
     current: int | None = None  # the committed reply, until it ends
     _current_text: str = ""  # the user's words the current reply answers
     _heard: bool = False  # some of the current reply's words reached the user
@@ -199,26 +211,38 @@ class TurnController:
 
     def on_partial(self, now_ms: float, text: str) -> list[Command]:
         commands = self._overlap_words(now_ms, text) + self.tick(now_ms)
-        if self.policy.prefill_partials and self.current is None and self.speculative is None:
+        if self.policy.prefill_partials and self.current is None:
             # Every word, the last too: the LLM's turn-end score after them is what a candidate with the same words
             # would wait for. Where Whisper's guess at the last word changes, the next prefill evaluates it again.
             words = self._whole(" ".join(text.split()))
-            if words != self._prefilled and words_of(words):
+            if self.started_on_partial and not self._answers(words):
+                commands += self._drop_speculative()  # the user went on: its words were not the whole turn
+            if self.speculative is None and words != self._prefilled and words_of(words):
                 self._prefilled = words
                 commands.append(Prefill(words))
         return commands
 
-    def on_prefilled(self, text: str, turn_end: float | None) -> None:
+    def on_prefilled(self, text: str, turn_end: float | None) -> list[Command]:
         """A Prefill of `text` is done, after the same dialogue as now; `turn_end`: the LLM's P(turn end) after its
-        words, if it scored them. A candidate with the same words starts its reply with this score.
+        words, if it scored them. A candidate with the same words starts its reply with this score; with
+        `start_on_partials`, a score that says the turn is finished starts it now, if `text` is still the newest
+        partial's words.
 
         The same words: case and punctuation aside (`words_of`). Whisper's partial and its draft of the same speech
         often differ only there ("the child" / "The child", "And so, my" / "And so my"): 8 of the 25 candidates that
         missed their prefill's score in bench.turns, each then waiting 50-85 ms for its reply's. The score hardly
         moves with them ("the horizon seems extremely distant" 0.74, "The horizon..." 0.68; the short wait starts
         at 0.45); the closing punctuation is never scored at all."""
-        if turn_end is not None and self.current is None:
-            self._prefill_score = (tuple(words_of(text)), turn_end)
+        if turn_end is None or self.current is not None:
+            return []
+        self._prefill_score = (tuple(words_of(text)), turn_end)
+        policy = self.policy
+        if not (policy.start_on_partials and policy.speculative_start) or self.speculative is not None:
+            return []
+        if text != self._prefilled or turn_end < policy.start_on_partials_at:
+            return []
+        self.speculative, self.started_on_partial = (self._next_id(), text), True
+        return [StartReply(self.speculative[0], text, speculative=True, turn_end=turn_end)]
 
     def on_candidate(self, now_ms: float, text: str) -> list[Command]:
         """A silence began and `text` is the transcript so far: start a reply to it, unheard for now."""
@@ -228,9 +252,10 @@ class TurnController:
         whole = self._whole(text)
         if self.speculative is not None:
             if self._answers(whole):
-                return commands  # the reply to an earlier candidate with these words goes on
+                self.started_on_partial = False
+                return commands  # the reply to an earlier candidate (or partial) with these words goes on
             commands.append(CancelReply(self.speculative[0]))
-        self.speculative = (self._next_id(), whole)
+        self.speculative, self.started_on_partial = (self._next_id(), whole), False
         known = self._prefill_score
         turn_end = known[1] if known is not None and known[0] == tuple(words_of(whole)) else None
         commands.append(StartReply(self.speculative[0], whole, speculative=True, turn_end=turn_end))
@@ -260,7 +285,7 @@ class TurnController:
         whole = self._whole(text)
         if self.speculative is not None and self._answers(whole):
             reply_id = self.speculative[0]
-            self.speculative = None
+            self.speculative, self.started_on_partial = None, False
         else:
             commands += self._drop_speculative()
             reply_id = self._next_id()
@@ -380,7 +405,7 @@ class TurnController:
     def _drop_speculative(self) -> list[Command]:
         if self.speculative is None:
             return []
-        reply_id, self.speculative = self.speculative[0], None
+        reply_id, self.speculative, self.started_on_partial = self.speculative[0], None, False
         return [CancelReply(reply_id)]
 
     def _next_id(self) -> int:

@@ -9,7 +9,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gateway.options import PipelineOptions, SessionOptions
+from gateway.options import PipelineOptions, SessionOptions, resolve
 from gateway.session import HistoryEntry, ReplyFrame, Session, trim_history
 from tests.unit.fake_backends import FRAMES_PER_WORD, FakeBackends, until
 from voicemesh import telemetry
@@ -308,6 +308,68 @@ async def test_a_candidate_whose_words_a_prefill_scored_takes_that_score_at_once
         await until(lambda: len(turn_scores(backends)) == 2)
         assert [(s.pause_id, round(s.probability, 2)) for s in turn_scores(backends)][-1] == (5, 0.2)
         assert backends.generates[-1].score_turn_end
+    finally:
+        await session.close()
+
+
+async def test_a_reply_started_on_a_finished_sounding_partial_is_the_one_the_turn_commits() -> None:
+    backends = FakeBackends(reply="It is noon.", turn_end=0.2)
+    backends.prefill_turn_end = 0.7
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="what time is it"))
+        # The prefill says the words sound finished: the reply starts while the user may still be speaking.
+        await until(lambda: len(backends.generates) == 1)
+        assert backends.generates[0].messages[-1].content == "what time is it"
+        assert not backends.generates[0].score_turn_end, "the prefill scored these words"
+        assert turn_scores(backends) == [], "no pause to score yet"
+        assert session.playout.queued == 0, "unheard until the turn commits"
+        # The speech stops; the draft has the same words: the pause gets the prefill's score at once, no new reply.
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="What time is it?", pause_id=3))
+        await until(lambda: bool(turn_scores(backends)))
+        assert [(s.pause_id, round(s.probability, 2)) for s in turn_scores(backends)] == [(3, 0.7)]
+        backends.say(final=asr_pb2.Final(text="What time is it?"))
+        await until(lambda: session.playout.queued == 3 * FRAMES_PER_WORD)
+        assert len(backends.generates) == 1, "the reply started on the partial is the one heard"
+        assert [(e.role, e.text) for e in session.history] == [("user", "What time is it?")]
+    finally:
+        await session.close()
+
+
+def test_a_session_may_turn_off_starting_replies_on_partials() -> None:
+    def policy(**options: bool) -> bool:
+        config = conversation_pb2.SessionConfig(
+            input_sample_rate_hz=16000, options=conversation_pb2.PipelineOptions(**options)
+        )
+        return resolve(config, "s1").pipeline.turn_policy().start_on_partials
+
+    assert policy() and policy(start_on_partials=True)
+    assert not policy(start_on_partials=False)
+
+
+async def test_a_reply_started_on_a_partial_is_cancelled_and_never_heard_when_the_user_goes_on() -> None:
+    backends = FakeBackends(reply="It is noon.", turn_end=0.2)
+    backends.prefill_turn_end = 0.7
+    session = new_session(backends)
+    try:
+        await until(lambda: bool(backends.asr))
+        backends.say(speech_started=asr_pb2.SpeechStarted())
+        backends.say(partial=asr_pb2.Partial(text="what time is it"))
+        await until(lambda: len(backends.generates) == 1)
+        backends.prefill_turn_end = 0.1
+        backends.say(partial=asr_pb2.Partial(text="what time is it in Paris"))
+        await until(lambda: len(backends.prefills) == 2)  # the new words go to the LLM: the reply was cancelled
+        assert backends.prefills[-1].messages[-1].content == "what time is it in Paris"
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="What time is it in Paris?", pause_id=4))
+        await until(lambda: len(backends.generates) == 2)
+        assert backends.generates[1].messages[-1].content == "What time is it in Paris?"
+        backends.say(final=asr_pb2.Final(text="What time is it in Paris?"))
+        await until(lambda: session.playout.queued == 3 * FRAMES_PER_WORD)
+        await asyncio.sleep(0.05)
+        assert session.playout.queued == 3 * FRAMES_PER_WORD, "only the reply to the whole turn is heard"
+        assert [(e.role, e.text) for e in session.history] == [("user", "What time is it in Paris?")]
     finally:
         await session.close()
 

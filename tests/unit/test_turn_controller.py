@@ -98,7 +98,7 @@ def test_partials_prefill_all_their_words_when_they_change_and_only_between_repl
 
 
 def test_a_candidate_with_the_words_a_prefill_scored_starts_its_reply_with_that_score() -> None:
-    controller = TurnController()
+    controller = TurnController(TurnPolicy(start_on_partials=False))  # (with it, 0.68 starts the reply at once)
     controller.on_speech_started(0)
     controller.on_partial(800, "The horizon seems")
     controller.on_prefilled("The horizon seems", 0.05)
@@ -124,6 +124,70 @@ def test_a_candidate_with_the_words_a_prefill_scored_starts_its_reply_with_that_
     assert controller.on_candidate(5000, "The horizon seems extremely distant.") == [
         StartReply(4, "The horizon seems extremely distant.", True)
     ]
+
+
+def test_a_partial_the_llm_scores_finished_starts_the_reply_before_the_speech_stops() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_partial(800, "The horizon seems")
+    assert controller.on_prefilled("The horizon seems", 0.05) == []  # unfinished: no reply yet
+    controller.on_partial(1600, "The horizon seems extremely distant")
+    assert controller.on_prefilled("The horizon seems extremely distant", 0.68) == [
+        StartReply(1, "The horizon seems extremely distant", True, turn_end=0.68)
+    ]
+    assert controller.on_partial(1800, "The horizon seems extremely distant.") == []  # the same words: it goes on
+    # The speech stops; the ASR's draft has the same words: that reply answers them, none other starts.
+    assert controller.on_speech_stopped(1900) == []
+    assert controller.on_candidate(1950, "The horizon seems extremely distant.") == []
+    assert controller.on_final(2000, "The horizon seems extremely distant.") == [
+        CommitReply(1, "The horizon seems extremely distant.")
+    ]
+
+
+def test_a_reply_started_on_a_partial_is_cancelled_when_the_words_go_on() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_partial(800, "The kids want pancakes")
+    assert controller.on_prefilled("The kids want pancakes", 0.5) == [
+        StartReply(1, "The kids want pancakes", True, turn_end=0.5)
+    ]
+    # The next partial has more words: the reply was to part of the turn. Its words go to the LLM instead.
+    assert controller.on_partial(1000, "The kids want pancakes for breakfast but") == [
+        CancelReply(1),
+        Prefill("The kids want pancakes for breakfast but"),
+    ]
+    assert controller.on_prefilled("The kids want pancakes for breakfast but", 0.01) == []
+    # A candidate with other words than a reply started on a partial replaces it, as any speculative reply.
+    controller.on_partial(1400, "The kids want pancakes for breakfast")
+    assert controller.on_prefilled("The kids want pancakes for breakfast", 0.6) == [
+        StartReply(2, "The kids want pancakes for breakfast", True, turn_end=0.6)
+    ]
+    assert controller.on_candidate(1700, "The kids want pancakes for breakfast, but we are out.") == [
+        CancelReply(2),
+        StartReply(3, "The kids want pancakes for breakfast, but we are out.", True),
+    ]
+    # A reply confirmed by a candidate is that candidate's: a partial decoded in the pause does not cancel it.
+    assert controller.on_partial(1800, "The kids want pancakes for breakfast but we are out of") == []
+    assert controller.on_speech_resumed(1900) == [CancelReply(3)]
+
+
+def test_a_partial_starts_no_reply_on_a_stale_prefill_a_doubtful_score_or_when_the_session_turns_it_off() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    controller.on_partial(800, "Book a table")
+    controller.on_partial(1000, "Book a table for two")
+    assert controller.on_prefilled("Book a table", 0.9) == []  # of words a newer partial has replaced
+    assert controller.on_prefilled("Book a table for two", 0.44) == []  # below start_on_partials_at
+    assert controller.on_candidate(1300, "Book a table for two.") == [
+        StartReply(1, "Book a table for two.", True, turn_end=0.44)  # the reply starts at the silence, as without
+    ]
+    for policy in (
+        TurnPolicy(start_on_partials=False),
+        TurnPolicy(speculative_start=False),  # no speculative reply at all: the reply waits for the final
+    ):
+        controller = TurnController(policy)
+        controller.on_partial(800, "Book a table for two")
+        assert controller.on_prefilled("Book a table for two", 0.9) == []
 
 
 def test_a_prefill_score_that_comes_while_a_reply_plays_is_not_kept() -> None:
