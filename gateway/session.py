@@ -128,6 +128,7 @@ class Reply:
     flush_ms: float = 0.0
     synthesized: list[str] = field(default_factory=list)  # chunks whose audio came in whole
     spoken_chunks: list[str] = field(default_factory=list)
+    started: str = "pause"  # what started a speculative reply: "pause" (the endpoint candidate) or "partial"
     pause_id: int = 0  # the ASR pause a speculative reply answers (its candidate's); the LLM scores it
     asr_stream: int = 0  # which of the session's ASR streams that pause id belongs to
     turn_end: float | None = None  # the LLM's P(turn end) for it, once in
@@ -491,11 +492,12 @@ class Session:
         reply.messages = self._messages(user_text)
         reply.mark("reply_started")
         reply.asr_event = event
-        candidate = event.WhichOneof("event") == "endpoint_candidate"
-        if speculative and candidate:
+        if speculative and event.WhichOneof("event") == "endpoint_candidate":
             reply.pause_id, reply.asr_stream = event.endpoint_candidate.pause_id, self._asr_streams
+        elif speculative:
+            reply.started = "partial"
         # A reply started on a partial starts before the speech ends: its span starts now.
-        start_us = (event.speech_end_capture_time_us if candidate or not speculative else 0) or epoch_us()
+        start_us = (event.speech_end_capture_time_us if reply.started == "pause" else 0) or epoch_us()
         reply.span = TRACER.start_span(
             "turn",
             start_time=start_us * 1000,
@@ -504,6 +506,7 @@ class Session:
                 "transport": self.transport,
                 "replica": HOSTNAME,
                 "speculative": speculative,
+                "speculative.started": reply.started if speculative else "",
                 "audio_s": max(0, event.speech_end_ms - event.speech_start_ms) / 1000,
             },
         )
@@ -548,7 +551,7 @@ class Session:
         metrics.turn_end_probability = -1.0 if reply.turn_end is None else reply.turn_end
         reply.committed_us, reply.receipt_us = committed_us, receipt_us
         if reply.speculative:
-            telemetry.SPECULATIVE.labels("used").inc()
+            telemetry.SPECULATIVE.labels("used", reply.started).inc()
         telemetry.TURNS.inc()
         metrics.speculative_used = reply.speculative
         metrics.speculative_discarded = self._discarded
@@ -726,7 +729,7 @@ class Session:
     def _discard(self, reply: Reply) -> None:
         """A speculative reply was overtaken: never spoken, never in history."""
         self._discarded += 1
-        telemetry.SPECULATIVE.labels("discarded").inc()
+        telemetry.SPECULATIVE.labels("discarded", reply.started).inc()
         self._cancel_reply(reply)
         if reply.span is not None:
             reply.span.set_attribute("speculative.discarded", True)

@@ -87,7 +87,12 @@ PREFILLS = Counter(
     "a reply, or its engine needs none; failed: the gateway's call failed, the reply prefills it all)",
     ["outcome"],
 )
-SPECULATIVE = Counter("voicemesh_speculative_starts_total", "Speculative reply starts by outcome", ["outcome"])
+SPECULATIVE = Counter(
+    "voicemesh_speculative_starts_total",
+    "Speculative reply starts by outcome (used, discarded) and by what started them (pause: the endpoint candidate; "
+    "partial: a partial transcript the LLM scored a finished turn, before the speech stopped)",
+    ["outcome", "started"],
+)
 ERRORS = Counter("voicemesh_errors_total", "Errors by stage and gRPC status", ["stage", "code"])
 QUEUE_WAIT = Histogram(
     "voicemesh_queue_wait_seconds", "Time work waited for a worker or slot", ["service"], buckets=LATENCY_BUCKETS_S

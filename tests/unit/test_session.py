@@ -316,6 +316,8 @@ async def test_a_reply_started_on_a_finished_sounding_partial_is_the_one_the_tur
     backends = FakeBackends(reply="It is noon.", turn_end=0.2)
     backends.prefill_turn_end = 0.7
     session = new_session(backends)
+    used = telemetry.SPECULATIVE.labels("used", "partial")
+    before = used._value.get()
     try:
         await until(lambda: bool(backends.asr))
         backends.say(speech_started=asr_pb2.SpeechStarted())
@@ -333,6 +335,7 @@ async def test_a_reply_started_on_a_finished_sounding_partial_is_the_one_the_tur
         backends.say(final=asr_pb2.Final(text="What time is it?"))
         await until(lambda: session.playout.queued == 3 * FRAMES_PER_WORD)
         assert len(backends.generates) == 1, "the reply started on the partial is the one heard"
+        assert used._value.get() == before + 1
         assert [(e.role, e.text) for e in session.history] == [("user", "What time is it?")]
     finally:
         await session.close()
@@ -358,10 +361,13 @@ async def test_a_reply_started_on_a_partial_is_cancelled_and_never_heard_when_th
         backends.say(speech_started=asr_pb2.SpeechStarted())
         backends.say(partial=asr_pb2.Partial(text="what time is it"))
         await until(lambda: len(backends.generates) == 1)
+        discarded = telemetry.SPECULATIVE.labels("discarded", "partial")
+        before = discarded._value.get()
         backends.prefill_turn_end = 0.1
         backends.say(partial=asr_pb2.Partial(text="what time is it in Paris"))
         await until(lambda: len(backends.prefills) == 2)  # the new words go to the LLM: the reply was cancelled
         assert backends.prefills[-1].messages[-1].content == "what time is it in Paris"
+        assert discarded._value.get() == before + 1
         backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="What time is it in Paris?", pause_id=4))
         await until(lambda: len(backends.generates) == 2)
         assert backends.generates[1].messages[-1].content == "What time is it in Paris?"
