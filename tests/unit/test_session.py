@@ -287,14 +287,21 @@ async def test_a_second_pause_with_the_same_words_gets_the_running_replys_score(
         await session.close()
 
 
-async def test_a_candidate_whose_words_a_prefill_scored_takes_that_score_at_once() -> None:
-    backends = FakeBackends(turn_end=0.2)
+async def speaking(reply: str = "Hello there friend.") -> tuple[Session, FakeBackends]:
+    """A session whose user is saying "what time is it": words the LLM's prefill scores a finished turn (P 0.7; a
+    reply asked to score its own words says 0.2)."""
+    backends = FakeBackends(reply=reply, turn_end=0.2)
     backends.prefill_turn_end = 0.7
     session = new_session(backends)
+    await until(lambda: bool(backends.asr))
+    backends.say(speech_started=asr_pb2.SpeechStarted())
+    backends.say(partial=asr_pb2.Partial(text="what time is it"))
+    return session, backends
+
+
+async def test_a_candidate_whose_words_a_prefill_scored_takes_that_score_at_once() -> None:
+    session, backends = await speaking()
     try:
-        await until(lambda: bool(backends.asr))
-        backends.say(speech_started=asr_pb2.SpeechStarted())
-        backends.say(partial=asr_pb2.Partial(text="what time is it"))
         await until(lambda: len(backends.prefills) == 1)
         assert backends.prefills[0].messages[-1].content == "what time is it", "every word, the last too"
         await asyncio.sleep(0.02)  # the prefill's answer is in
@@ -313,15 +320,10 @@ async def test_a_candidate_whose_words_a_prefill_scored_takes_that_score_at_once
 
 
 async def test_a_reply_started_on_a_finished_sounding_partial_is_the_one_the_turn_commits() -> None:
-    backends = FakeBackends(reply="It is noon.", turn_end=0.2)
-    backends.prefill_turn_end = 0.7
-    session = new_session(backends)
     used = telemetry.SPECULATIVE.labels("used", "partial")
     before = used._value.get()
+    session, backends = await speaking("It is noon.")
     try:
-        await until(lambda: bool(backends.asr))
-        backends.say(speech_started=asr_pb2.SpeechStarted())
-        backends.say(partial=asr_pb2.Partial(text="what time is it"))
         # The prefill says the words sound finished: the reply starts while the user may still be speaking.
         await until(lambda: len(backends.generates) == 1)
         assert backends.generates[0].messages[-1].content == "what time is it"
@@ -353,13 +355,8 @@ def test_a_session_may_turn_off_starting_replies_on_partials() -> None:
 
 
 async def test_a_reply_started_on_a_partial_is_cancelled_and_never_heard_when_the_user_goes_on() -> None:
-    backends = FakeBackends(reply="It is noon.", turn_end=0.2)
-    backends.prefill_turn_end = 0.7
-    session = new_session(backends)
+    session, backends = await speaking("It is noon.")
     try:
-        await until(lambda: bool(backends.asr))
-        backends.say(speech_started=asr_pb2.SpeechStarted())
-        backends.say(partial=asr_pb2.Partial(text="what time is it"))
         await until(lambda: len(backends.generates) == 1)
         discarded = telemetry.SPECULATIVE.labels("discarded", "partial")
         before = discarded._value.get()
