@@ -212,8 +212,10 @@ async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -
     turns, _, events = await talk(
         target(gateway), question, config, trailing_silence_s=9.0, inject=[(AfterFirstAudio(into_reply_s), yeah)]
     )
-    assert not any(isinstance(e, Interrupted) for e in events), "a backchannel does not stop the reply"
-    assert len(turns) == 1, [t.user_text for t in turns]  # and it is not a turn of its own
+    interrupted = [e for e in events if isinstance(e, Interrupted)]
+    heard = [t.user_text for t in turns]
+    assert not interrupted, f"a backchannel does not stop the reply: {interrupted}; the user's turns: {heard}"
+    assert len(turns) == 1, heard  # and it is not a turn of its own
     turn = turns[0]
     done = [e for e in events if type(e).__name__ == "ReplyDone"]
     assert done and done[0].turn_index == turn.turn_index, "the reply played to its end"

@@ -140,12 +140,20 @@ class FakeBackends:
     async def generate(
         self, request: llm_pb2.GenerateRequest, metadata: object = None
     ) -> AsyncIterator[llm_pb2.GenerateResponse]:
+        """The reply a word a token: after `reply_prefix`'s words, at most `max_tokens` of them."""
         self.generates.append(request)
         if request.score_turn_end and self.turn_end is not None:
             yield llm_pb2.GenerateResponse(turn_end=llm_pb2.TurnEnd(probability=self.turn_end))
-        for index, word in enumerate(self.reply.split()):
-            yield llm_pb2.GenerateResponse(text_delta=word if index == 0 else f" {word}")
-        yield llm_pb2.GenerateResponse(finish_reason=llm_pb2.FINISH_REASON_STOP)
+        said = len(request.reply_prefix.split())
+        words = self.reply.split()[said:]
+        cut = bool(request.max_tokens) and len(words) > request.max_tokens
+        words = words[: request.max_tokens] if cut else words
+        for index, word in enumerate(words):
+            yield llm_pb2.GenerateResponse(text_delta=word if index == 0 and not said else f" {word}")
+        yield llm_pb2.GenerateResponse(
+            finish_reason=llm_pb2.FINISH_REASON_LENGTH if cut else llm_pb2.FINISH_REASON_STOP,
+            usage=llm_pb2.Usage(prompt_tokens=20, completion_tokens=len(words)),
+        )
 
     def say(self, **event: object) -> None:
         """The ASR reports `event` (speech_started=..., endpoint_candidate=..., final=..., partial=...)."""

@@ -343,6 +343,32 @@ async def test_a_reply_started_on_a_finished_sounding_partial_is_the_one_the_tur
         await session.close()
 
 
+async def test_a_reply_started_on_a_partial_writes_its_first_words_then_the_rest_once_a_pause_has_its_words() -> None:
+    reply = "It is noon here in the old town square."
+    session, backends = await speaking(reply)
+    try:
+        await until(lambda: len(backends.generates) == 1)
+        # Only about the words the TTS's first chunk needs (2 words: 6 tokens) until its words are confirmed: the
+        # rest would decode on the cores the ASR's draft of the pause needs.
+        assert backends.generates[0].max_tokens == 6
+        await asyncio.sleep(0.05)
+        assert len(backends.generates) == 1, "nothing more before a pause has its words"
+        backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="What time is it?", pause_id=3))
+        await until(lambda: len(backends.generates) == 2)
+        rest = backends.generates[1]
+        assert rest.reply_prefix == "It is noon here in the" and rest.max_tokens == 48 - 6
+        assert not rest.score_turn_end
+        backends.say(final=asr_pb2.Final(text="What time is it?"))
+        await until(lambda: session.playout.queued == len(reply.split()) * FRAMES_PER_WORD)
+        await play(session, len(reply.split()) * FRAMES_PER_WORD)
+        await until(lambda: not session.events.empty())
+        done = [event for kind, event in drain(session) if kind in ("reply_done", "metrics")]
+        assert done[0].reply_done.text == reply, "the whole reply, each word once"
+        assert done[1].metrics.completion_tokens == 9 and done[1].metrics.prompt_tokens == 20
+    finally:
+        await session.close()
+
+
 def test_a_session_may_turn_off_starting_replies_on_partials() -> None:
     def policy(**options: bool) -> bool:
         config = conversation_pb2.SessionConfig(
