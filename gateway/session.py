@@ -555,6 +555,7 @@ class Session:
             telemetry.SPECULATIVE.labels("used", reply.started).inc()
         telemetry.TURNS.inc()
         metrics.speculative_used = reply.speculative
+        metrics.started_on_partial = reply.started == "partial"
         metrics.speculative_discarded = self._discarded
         self._discarded = 0
         reply.committed = True

@@ -77,8 +77,11 @@ async def test_a_spoken_question_gets_a_spoken_reply_with_a_complete_turn_metric
     assert 32 <= metrics.hangover_ms <= 1200
     assert turn.metrics.first_audio_received_us >= metrics.first_audio_sent_us, "the downlink was measured"
     assert turn.metrics.downlink_ms < 1000
-    # The stages that run one after another fit inside the gateway's V2V.
-    assert metrics.llm_first_token_ms + metrics.tts_first_audio_ms < metrics.v2v_ms
+    # The stages that run one after another fit inside the gateway's V2V, unless they ran before the speech ended.
+    if metrics.started_on_partial:
+        assert metrics.speculative_used
+    else:
+        assert metrics.llm_first_token_ms + metrics.tts_first_audio_ms < metrics.v2v_ms
     assert not any(isinstance(e, SessionError) for e in events)
 
 

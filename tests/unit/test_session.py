@@ -365,6 +365,7 @@ async def test_a_reply_started_on_a_partial_writes_its_first_words_then_the_rest
         done = [event for kind, event in drain(session) if kind in ("reply_done", "metrics")]
         assert done[0].reply_done.text == reply, "the whole reply, each word once"
         assert done[1].metrics.completion_tokens == 9 and done[1].metrics.prompt_tokens == 20
+        assert done[1].metrics.started_on_partial and done[1].metrics.speculative_used
     finally:
         await session.close()
 
