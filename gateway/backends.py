@@ -40,7 +40,9 @@ HEALTH_TIMEOUT_S = 1.0
 WATCH_EVERY_S = 0.1  # how often a watched call's liveness is checked while it is quiet
 READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
 LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
-LLM_STALL_S = 1.0  # tokens come every ~30 ms; this long without one is a hung replica (SIGSTOP, a wedged engine)
+# Tokens come every ~30 ms, and a call waiting for them gets a keepalive every 250 ms: this long with no message at all,
+# before the first token as after it, is a hung replica (SIGSTOP, a wedged event loop).
+LLM_STALL_S = 1.0
 LLM_CALL_DEADLINE_S = 60.0
 LLM_PREFILL_DEADLINE_S = 2.0  # a prefill takes tens of ms; one much later is of no use to its turn
 SATURATED_RETRY_S = (
@@ -70,19 +72,28 @@ def unavailable(message: str) -> grpc.aio.AioRpcError:
 
 
 class Silence:
-    """How long a call has sent nothing, against a limit for its first message and another for the ones after."""
+    """Whether a call is hung or slow. A replica sends something at least every 250 ms while it holds a call (an
+    empty keepalive while it waits for a slot or prefills), so one quiet for `quiet_s` is hung (SIGSTOP, a wedged
+    event loop); apart from that, its first content (text, or the end) must come within `first_s`."""
 
-    def __init__(self, stage: str, first_s: float, then_s: float) -> None:
+    def __init__(self, stage: str, first_s: float, quiet_s: float) -> None:
         self.stage = stage
-        self.limit_s, self.then_s = first_s, then_s
-        self.since = time.monotonic()
+        self.first_s, self.quiet_s = first_s, quiet_s
+        self.started = self.since = time.monotonic()
+        self.content = False
 
-    def heard(self) -> None:
-        self.since, self.limit_s = time.monotonic(), self.then_s
+    def heard(self, content: bool = True) -> None:
+        """A message came; `content`: one of substance (not a keepalive or a score)."""
+        self.since = time.monotonic()
+        self.content = self.content or content
 
     def problem(self) -> str | None:
-        quiet_s = time.monotonic() - self.since
-        return f"the {self.stage} replica sent nothing for {quiet_s:.1f} s" if quiet_s > self.limit_s else None
+        now = time.monotonic()
+        if now - self.since > self.quiet_s:
+            return f"the {self.stage} replica sent nothing for {now - self.since:.1f} s"
+        if not self.content and now - self.started > self.first_s:
+            return f"the {self.stage} replica sent no content in {now - self.started:.1f} s"
+        return None
 
 
 async def watched(
@@ -277,11 +288,12 @@ class Backends:
     ) -> AsyncGenerator[llm_pb2.GenerateResponse, None]:
         """Stream the reply from the session's replica, failing over down its ranking.
 
-        A replica that fails, or sends nothing for `first_token_timeout_s` (then `stall_s` between tokens), is
-        marked suspect and the call goes to the next one; one that refuses as full is skipped, and when all are
-        full the round is tried again shortly, within `first_token_timeout_s`. After text has streamed, the next
-        replica continues the reply from it (`reply_prefix`), so no word is repeated. `metadata` carries the turn's W3C
-        trace context, so the replica's spans join the turn's trace.
+        A replica that fails, sends nothing at all for `stall_s` (it sends keepalives while it waits), or no first
+        token within `first_token_timeout_s`, is marked suspect and the call goes to the next one; one that refuses as
+        full is skipped, and when all are full the round is tried again shortly, within `first_token_timeout_s`.
+        Keepalives are not passed on. After text has streamed, the next replica continues the reply from it
+        (`reply_prefix`), so no word is repeated. `metadata` carries the turn's W3C trace context, so the replica's
+        spans join the turn's trace.
         """
         said: list[str] = []
         started = time.monotonic()
@@ -302,11 +314,13 @@ class Backends:
                 call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(
                     attempt, metadata=self.metadata(metadata), timeout=LLM_CALL_DEADLINE_S
                 )
-                silence = Silence("LLM", first_token_timeout_s, stall_s)
+                silence = Silence("LLM", first_s=first_token_timeout_s, quiet_s=stall_s)
                 try:
                     async for response in watched(call, silence.problem):
-                        if not response.HasField("turn_end"):  # a score is not a token: the first-token limit holds
-                            silence.heard()
+                        # A score is not a token: the first-token limit holds.
+                        silence.heard(content=bool(response.text_delta or response.finish_reason))
+                        if not response.ByteSize():
+                            continue  # a keepalive: the replica is alive, and the session has nothing to do
                         if response.text_delta:
                             said.append(response.text_delta)
                         yield response
@@ -322,7 +336,12 @@ class Backends:
                         telemetry.FAILOVERS.labels("llm").inc()
                     log.info(
                         "llm replica failed; trying the next",
-                        extra={"target": target, "code": error.code().name, "continuing": bool(said)},
+                        extra={
+                            "target": target,
+                            "code": error.code().name,
+                            "detail": error.details(),
+                            "continuing": bool(said),
+                        },
                     )
                     last_error = error
                 finally:

@@ -120,7 +120,8 @@ async def generate(
     max_tokens: int = 0,
     credentials: Credentials = PLAINTEXT,
 ) -> AsyncIterator[llm_pb2.GenerateResponse]:
-    """Stream a reply; `messages` are (llm_pb2.ROLE_*, text) pairs."""
+    """Stream a reply; `messages` are (llm_pb2.ROLE_*, text) pairs. The replica's keepalives (empty messages while
+    the call waits) are not passed on."""
     request = llm_pb2.GenerateRequest(
         session_id=session_id or new_session_id(),
         messages=[llm_pb2.ChatMessage(role=role, content=text) for role, text in messages],
@@ -128,7 +129,8 @@ async def generate(
     )
     async with credentials.channel(target) as channel:
         async for response in llm_pb2_grpc.GeneratorStub(channel).Generate(request, metadata=credentials.metadata()):
-            yield response
+            if response.ByteSize():
+                yield response
 
 
 async def synthesize(

@@ -37,6 +37,7 @@ from gateway.session import Session
 from voicemesh.audio import Clip
 from voicemesh.clients import epoch_us
 from voicemesh.conversation import ReplyAudio, ReplyDone, SessionError, TalkTurn, talk
+from voicemesh.cpus import available_cpus, budget_env
 from voicemesh.mesh import Mesh, free_port
 from voicemesh.v1 import conversation_pb2
 
@@ -88,11 +89,17 @@ class FaultReport:
 
 
 def two_replicas(log_dir: str | None = None) -> Mesh:
-    """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b on free loopback ports (not waited for)."""
+    """asr-a, asr-b, llm-a, llm-b, tts-a, tts-b on free loopback ports (not waited for).
+
+    The two replicas of a stage share this box as two pods would share a node: each gets the engine threads of half
+    its cores (`voicemesh.cpus`). With the services' own defaults (two threads each), two LLM replicas decoding while
+    the ASRs decoded partials ran far more threads than the 2 cores, and a reply took 2 s a token: it was still
+    being written when the conversation's next utterance came 6 s later."""
     mesh = Mesh(log_dir=log_dir or tempfile.mkdtemp(prefix="voicemesh-chaos-"))
+    budget = budget_env(max(1, available_cpus() // 2))
     for stage in STAGES:
         for name in "ab":
-            mesh.start(f"{stage}-{name}", free_port())
+            mesh.start(f"{stage}-{name}", free_port(), env=budget[stage])
     return mesh
 
 

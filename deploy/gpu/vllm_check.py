@@ -123,6 +123,8 @@ async def one_request(stub: GeneratorAsyncStub, index: int, max_tokens: int, dea
     first_ms = queue_ms = ttft_ms = None
     tokens, finish = 0, "none"
     async for response in stub.Generate(request, timeout=deadline_s):
+        if not response.ByteSize():
+            continue  # a keepalive: the replica is alive, the request still waits
         now_ms = (time.monotonic() - sent) * 1000
         if first_ms is None:
             queue_ms, ttft_ms = response.queue_ms, response.ttft_ms

@@ -24,7 +24,6 @@ from llama_cpp._utils import suppress_stdout_stderr
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
 from services.llm.llama_cpp_engine import (
     CLOSE_WAIT_S,
-    KEEPALIVE_S,
     MIN_AHEAD_S,
     PREFILL_STEP_TOKENS,
     Playout,
@@ -268,22 +267,13 @@ class LlamaBatchEngine:
                 raise RuntimeError("the engine is closing")
             self._waiting.append(reply)
             self._lock.notify()
-        streaming = False
         try:
             while True:
-                if streaming:  # its text has started: the caller's watchdog hears a live replica while it sits out
-                    try:
-                        item = await asyncio.wait_for(reply.chunks.get(), KEEPALIVE_S)
-                    except TimeoutError:
-                        yield GenerationChunk()
-                        continue
-                else:
-                    item = await reply.chunks.get()
+                item = await reply.chunks.get()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                streaming = streaming or bool(item.text)
                 yield item
         finally:
             reply.cancelled = True  # the thread drops it at its next step

@@ -28,7 +28,6 @@ from services.llm.prompt import CompletionPrompt
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 5.0
-KEEPALIVE_S = 0.25  # a reply waiting to get its slot back says so this often (callers count 1 s of silence as hung)
 SPEECH_CHARS_PER_S = 15.0  # how fast reply text is spoken (Piper's voices: ~150 words a minute)
 # A reply's next words must start this long before its audio would run dry: the TTS's next chunk (up to twice the
 # words of the one before) has to be written, at 50-100 ms a token with the cores shared, and synthesized.
@@ -323,14 +322,7 @@ class LlamaCppEngine:
                 return
             playout.text += yielded.text
             completion += yielded.completion_tokens
-            acquire = asyncio.ensure_future(self._reacquire(request.session_id, playout))
-            try:
-                while not (await asyncio.wait({acquire}, timeout=KEEPALIVE_S))[0]:
-                    yield GenerationChunk()  # no text yet: the caller's watchdog hears a live replica
-            finally:
-                if not acquire.done():
-                    acquire.cancel()  # the caller gave up while it waited: its place in line goes
-            slot = acquire.result()
+            slot = await self._reacquire(request.session_id, playout)  # cancelled: its place in line goes
 
     async def _reacquire(self, session_id: str, playout: Playout) -> _Slot:
         """The slot back for a reply that gave it up: by its deadline, and (flow control) not before its playout

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from opentelemetry.trace import Span, StatusCode
@@ -28,6 +31,34 @@ MAX_PROMPT_CHARS = 16_000
 MAX_REPLY_PREFIX_CHARS = 4_000
 ROLES = {llm_pb2.ROLE_SYSTEM: "system", llm_pb2.ROLE_USER: "user", llm_pb2.ROLE_ASSISTANT: "assistant"}
 FINISH = {"stop": llm_pb2.FINISH_REASON_STOP, "length": llm_pb2.FINISH_REASON_LENGTH}
+# A call with nothing to send for this long (waiting for a slot, prefilling, sitting out for a new turn) gets an empty
+# message: callers hold a replica that sends nothing for 1 s as hung (SIGSTOP, a wedged event loop), before its first
+# token as after it, and go to the next replica.
+KEEPALIVE_S = 0.25
+
+T = TypeVar("T")
+
+
+async def with_keepalives(stream: AsyncIterator[T], every_s: float = KEEPALIVE_S) -> AsyncGenerator[T | None, None]:
+    """`stream`'s items, and None each time it has been quiet for `every_s`. The next item is awaited in a task of
+    its own, so a tick never cancels the engine mid-step; closing this cancels that task (the engine's cleanup runs)."""
+    pending: asyncio.Future[T] = asyncio.ensure_future(anext(stream))
+    try:
+        while True:
+            if not (await asyncio.wait({pending}, timeout=every_s))[0]:
+                yield None
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(stream))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,8 +330,12 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         slot_since_ms: float | None = None
         arrived_ns = time.time_ns()
         stream = self.engine.generate(generation)
+        chunks = with_keepalives(stream)
         try:
-            async for chunk in stream:
+            async for chunk in chunks:
+                if chunk is None:
+                    yield llm_pb2.GenerateResponse()  # a keepalive
+                    continue
                 if chunk.turn_end is not None:
                     yield llm_pb2.GenerateResponse(
                         turn_end=llm_pb2.TurnEnd(probability=chunk.turn_end, score_ms=chunk.score_ms)
@@ -342,6 +377,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         except ValueError as exc:  # the engine's own limits, e.g. the prompt does not fit the context
             raise out_of_range(str(exc)) from exc
         finally:
+            await chunks.aclose()  # first: it may be awaiting the engine's next chunk
             await stream.aclose()
             if slot_since_ms is not None and not yields:
                 self.admission.record(monotonic_ms() - slot_since_ms)

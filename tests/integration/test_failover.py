@@ -10,6 +10,8 @@ SIGSTOPped mid-turn, and the turn still completes, whole, with no frame lost.
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -17,6 +19,7 @@ from typing import Any, TypeVar
 import pytest
 
 from bench.chaos.faults import generating, mid_utterance, replica_of, speaking, start_gateway
+from gateway.backends import LLM_FIRST_TOKEN_TIMEOUT_S
 from gateway.server import GatewayServer
 from gateway.session import Session
 from tests.conftest import TRANSCRIPTS, load_clip, max_wer
@@ -28,6 +31,7 @@ from voicemesh.v1 import conversation_pb2
 
 pytestmark = pytest.mark.integration
 
+SHORT = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(max_tokens=24))
 TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
@@ -154,6 +158,26 @@ async def test_an_llm_replica_lost_mid_reply_is_continued_without_repeating(repl
     assert said and reply_text.startswith(said), (said, reply_text)
     rest = normalize(reply_text[len(said) :])
     assert rest and normalize(said) != rest[: len(normalize(said))], "the continuation does not start over"
+
+
+def asked(session: Session) -> bool:
+    """A reply has been asked of the LLM and no word of it has come yet."""
+    return any(not reply.text and not reply.cancelled for reply in session._replies.values())
+
+
+async def test_an_llm_replica_hung_before_its_first_token_is_left_at_once(
+    replicas: Mesh, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGSTOPped between the request for a reply and its first token: a live replica sends keepalives while a call
+    waits, this one sends nothing, and the reply goes to the other replica after a second. The replica stays stopped
+    until the talk ends: the failover is for its silence, not for the first-token limit (10 s)."""
+    with caplog.at_level(logging.INFO, logger="gateway.backends"):
+        outcome = await converse_through_a_fault(replicas, "llm", sigstop(replicas), asked, "spk1_snt1", SHORT)
+    check_the_turn_completed_whole(outcome, "spk1_snt1")
+    assert outcome.failovers >= 1
+    why = [getattr(r, "detail", "") for r in caplog.records if r.getMessage() == "llm replica failed; trying the next"]
+    quiet_s = [float(m[1]) for m in (re.search(r"sent nothing for ([\d.]+) s", d) for d in why) if m]
+    assert why and len(quiet_s) == len(why) and max(quiet_s) < LLM_FIRST_TOKEN_TIMEOUT_S / 2, why
 
 
 @pytest.mark.parametrize("fault", FAULTS)

@@ -52,8 +52,9 @@ async def test_cancel_frees_the_slot_at_once(services: dict[str, str]) -> None:
     async with grpc.aio.insecure_channel(services["llm"]) as channel:
         stub = llm_pb2_grpc.GeneratorStub(channel)
         call = stub.Generate(long_request)
-        async for _ in call:
-            break  # first token arrived: the slot is busy generating up to 500 tokens (~15 s here)
+        async for response in call:
+            if response.text_delta:
+                break  # first token arrived: the slot is busy generating up to 500 tokens (~15 s here)
         call.cancel()
         follow = [r async for r in clients.generate(services["llm"], [(USER, "Say hello.")])]
     # With one slot, the next request would otherwise wait for the whole 500-token generation.
@@ -201,7 +202,7 @@ async def _scored(target: str, text: str) -> list[llm_pb2.GenerateResponse]:
         session_id="turn-end", messages=[llm_pb2.ChatMessage(role=USER, content=text)], score_turn_end=True
     )
     async with grpc.aio.insecure_channel(target) as channel:
-        return [r async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request)]
+        return [r async for r in llm_pb2_grpc.GeneratorStub(channel).Generate(request) if r.ByteSize()]  # no keepalive
 
 
 async def test_the_turn_end_score_comes_first_and_tells_a_finished_sentence_from_a_broken_off_one(

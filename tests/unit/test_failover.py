@@ -15,7 +15,7 @@ from gateway.backends import Silence, watched
 from gateway.session import MAX_PENDING_EVENTS, RETAIN_PREROLL_MS, Session, unsynthesized
 from services.llm.engine import Message
 from services.llm.prompt import CompletionPrompt
-from services.llm.server import to_request
+from services.llm.server import to_request, with_keepalives
 from tests.unit.fake_backends import FakeBackends, until
 from tests.unit.test_session import new_session
 from voicemesh.errors import RequestError
@@ -79,7 +79,7 @@ class Hanging:
 
 
 async def test_a_call_that_goes_quiet_past_its_limit_is_given_up() -> None:
-    silence = Silence("LLM", first_s=0.2, then_s=0.05)
+    silence = Silence("LLM", first_s=10.0, quiet_s=0.05)
     received = []
     with pytest.raises(grpc.aio.AioRpcError) as stalled:
         async for message in watched(Hanging("first", "second"), silence.problem, every_s=0.01):
@@ -88,6 +88,62 @@ async def test_a_call_that_goes_quiet_past_its_limit_is_given_up() -> None:
     assert received == ["first", "second"]
     assert stalled.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "LLM replica sent nothing" in (stalled.value.details() or "")
+
+
+async def test_a_call_that_sends_nothing_at_all_is_hung_long_before_the_first_token_limit() -> None:
+    """A live replica sends keepalives while it waits; one SIGSTOPped before it answered sends nothing."""
+    silence = Silence("LLM", first_s=10.0, quiet_s=0.05)
+    with pytest.raises(grpc.aio.AioRpcError) as stalled:
+        async with asyncio.timeout(1.0):
+            async for _ in watched(Hanging(), silence.problem, every_s=0.01):
+                pass
+    assert "LLM replica sent nothing" in (stalled.value.details() or "")
+
+
+async def test_keepalives_keep_a_call_alive_but_not_past_the_first_token_limit() -> None:
+    async def keepalives() -> AsyncIterator[llm_pb2.GenerateResponse]:
+        while True:
+            await asyncio.sleep(0.01)
+            yield llm_pb2.GenerateResponse()
+
+    silence = Silence("LLM", first_s=0.2, quiet_s=0.05)
+    received = 0
+    with pytest.raises(grpc.aio.AioRpcError) as slow:
+        async for message in watched(keepalives(), silence.problem, every_s=0.01):
+            silence.heard(content=bool(message.text_delta or message.finish_reason))
+            received += 1
+    assert received > 5, "alive: the 50 ms quiet limit never struck"
+    assert "LLM replica sent no content in 0.2 s" in (slow.value.details() or "")
+
+
+async def test_the_llm_service_sends_keepalives_while_its_engine_is_quiet() -> None:
+    async def engine() -> AsyncIterator[str]:
+        await asyncio.sleep(0.2)  # waiting for a slot, prefilling
+        yield "Hello"
+        await asyncio.sleep(0.2)  # sitting out for a new turn's first words
+        yield " there"
+
+    received = [item async for item in with_keepalives(engine(), every_s=0.05)]
+    assert [item for item in received if item] == ["Hello", " there"], "the engine's items, in order, each once"
+    hello = received.index("Hello")
+    assert hello >= 1 and received[0] is None, "keepalives before the first token"
+    assert None in received[hello:], "and while it sits out"
+
+
+async def test_closing_the_keepalive_stream_cancels_the_engines_pending_step() -> None:
+    cleaned = asyncio.Event()
+
+    async def engine() -> AsyncIterator[str]:
+        try:
+            await asyncio.Event().wait()
+            yield "never"
+        finally:
+            cleaned.set()  # the engine's cleanup: its slot is freed
+
+    stream = with_keepalives(engine(), every_s=0.01)
+    assert await anext(stream) is None
+    await stream.aclose()
+    assert cleaned.is_set()
 
 
 async def test_a_quiet_call_is_left_alone_while_nothing_is_wrong() -> None:
