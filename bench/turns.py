@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from bench import print_result
-from gateway.turn import CancelReply, Command, Prefill, StartReply, TurnController, TurnPolicy
+from gateway.turn import CancelReply, Command, Prefill, StartReply, TurnController, TurnPolicy, held_reply_tokens
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
 from services.asr.engine import Transcriber
 from services.asr.server import AsrSettings, RecognizerServicer
@@ -60,6 +60,7 @@ from services.llm.server import LlmSettings, build_engine
 from voicemesh import config, cpus
 from voicemesh.audio import Clip, read_wav, resample
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
+from voicemesh.limits import URGENT_WORDS
 from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Newest
@@ -72,6 +73,7 @@ CLIPS = ROOT.parent / "shared" / "audio"
 SPLIT = {"spk1_snt1": "tune", "wizard": "tune", "jfk": "tune", "spk2_snt1": "check", "horizon": "check"}
 SPLICE_MS = (200, 400, 600, 800)
 SESSION = "bench-turns"
+REPLY_TOKENS = 24  # a speculative reply's length (the gateway's would be longer; what counts is the CPU at its start)
 HESITATION_PAUSE_MS = 600
 FILLER_TEXT = "Um..."
 LONG_PAUSE_CLIPS = {"jfk"}  # natural pauses of ~1.1 s inside the sentence
@@ -151,6 +153,7 @@ class Outcome:
     pauses: list[PauseScores] = field(default_factory=list)
     llm_scores: list[tuple[str, float]] = field(default_factory=list)  # (candidate, P(turn end)) per scored pause
     prefill_scores: int = 0  # of those, scored by the prefill of a partial with the candidate's words
+    early_replies: int = 0  # replies started on a partial (held to their first words until a pause confirms them)
 
     @property
     def cut_off(self) -> bool:
@@ -319,6 +322,8 @@ class LlmScorer:
         self._replies: dict[int, asyncio.Task[None]] = {}
         self._reply_scores: dict[int, float] = {}  # reply id -> its P(turn end), once in
         self._reply_pauses: dict[int, int] = {}  # reply id -> the pause its score goes to
+        self._confirmed: dict[int, asyncio.Event] = {}  # reply id (started on a partial) -> a pause has its words
+        self.early_replies = 0
         self.turns = TurnController(TurnPolicy(prefill_partials=False))
         self._stream: RecognitionStream | None = None
         self._prefills = Newest(self._prefill, held=lambda: bool(self._replies))  # one at a time, as the gateway
@@ -329,6 +334,8 @@ class LlmScorer:
         self.scored_by_prefill = 0
         self._reply_scores.clear()
         self._reply_pauses.clear()
+        self._confirmed.clear()
+        self.early_replies = 0
         self.turns = TurnController(
             TurnPolicy(prefill_partials=policy.prefill, start_on_partials=policy.start_on_partials)
         )
@@ -362,6 +369,9 @@ class LlmScorer:
                 if command.turn_end is not None and self.prefill_scores:  # a prefill scored these words: now
                     self.scored_by_prefill += 1
                     self._scored(stream, reply_id, command.user_text, command.turn_end)
+                if not pause_id:  # started on a partial: held to its first words until a pause confirms them
+                    self._confirmed[reply_id] = asyncio.Event()
+                    self.early_replies += 1
                 task = asyncio.ensure_future(self._reply(stream, reply_id, command.user_text))
                 self._replies[reply_id] = task
                 task.add_done_callback(lambda _, r=reply_id: self._replies.pop(r, None))
@@ -378,6 +388,8 @@ class LlmScorer:
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, declined=True))
             return
         self._reply_pauses[reply_id] = pause_id
+        if (confirmed := self._confirmed.get(reply_id)) is not None:
+            confirmed.set()
         if (probability := self._reply_scores.get(reply_id)) is not None:
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
 
@@ -394,8 +406,13 @@ class LlmScorer:
             stream.turn_score(asr_pb2.TurnScore(pause_id=pause_id, probability=probability))
 
     async def _reply(self, stream: RecognitionStream, reply_id: int, text: str) -> None:
+        """The reply's CPU as the gateway spends it: a reply started on a partial writes its first words, and the rest
+        (as a continuation) only once a pause has its words."""
         scored = reply_id in self._reply_scores
-        request = GenerationRequest(SESSION, [Message("user", text)], max_tokens=24, score_turn_end=not scored)
+        confirmed = self._confirmed.get(reply_id)
+        max_tokens = REPLY_TOKENS if confirmed is None else held_reply_tokens(URGENT_WORDS.default)
+        request = GenerationRequest(SESSION, [Message("user", text)], max_tokens=max_tokens, score_turn_end=not scored)
+        said, written = [], 0
         async for chunk in self.engine.generate(request):
             if chunk.turn_end is not None:
                 scored = True
@@ -403,6 +420,16 @@ class LlmScorer:
             elif not scored:
                 scored = True
                 stream.turn_score(asr_pb2.TurnScore(pause_id=self._reply_pauses[reply_id], declined=True))
+            said.append(chunk.text)
+            written = chunk.completion_tokens or written
+        if confirmed is None or written < max_tokens:
+            return
+        await confirmed.wait()
+        rest = GenerationRequest(
+            SESSION, [Message("user", text)], max_tokens=REPLY_TOKENS - written, reply_prefix="".join(said)
+        )
+        async for _ in self.engine.generate(rest):
+            pass
 
     async def settle(self) -> None:
         for task in list(self._replies.values()):
@@ -473,6 +500,7 @@ async def run_one(
     outcome.pauses = list(scorer.records)
     outcome.llm_scores = list(llm.scores) if llm is not None else []
     outcome.prefill_scores = llm.scored_by_prefill if llm is not None else 0
+    outcome.early_replies = llm.early_replies if llm is not None else 0
     return outcome
 
 
@@ -514,6 +542,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
         "missed": [o.utterance for o in whole if not o.finals],
         "llm_scores": sum(len(o.llm_scores) for o in outcomes),
         "llm_scores_from_prefill": sum(o.prefill_scores for o in outcomes),
+        "replies_started_on_partials": sum(o.early_replies for o in outcomes),
     }
     for split in ("tune", "check", "read"):
         rows = [o for o in up_to_600 if o.split == split]
@@ -644,6 +673,7 @@ async def measure(
                 "pauses": [asdict(p) for p in o.pauses],
                 "llm_scores": [{"candidate": text, "p_turn_end": round(p, 4)} for text, p in o.llm_scores],
                 "prefill_scores": o.prefill_scores,
+                "replies_started_on_partials": o.early_replies,
             }
             for o in outcomes
         ]

@@ -594,13 +594,11 @@ class Session:
             urgent_words=self.pipeline.urgent_words,
         )
         whole = self.pipeline.buffer_whole_reply
-        # A reply started on a partial writes only about the words its listener will wait for until a pause has its
-        # words: the rest would decode on the cores that pause's draft needs (on 2 cores the draft after spk1_snt1
-        # took 95 ms instead of 46 while its reply decoded on). Gemma writes a word in 1-2 tokens; one more starts the
-        # next word, which completes the TTS's first chunk. The rest is asked for once the words are confirmed.
+        # A reply started on a partial writes only its first words until a pause has its words; the rest is asked
+        # for once they are confirmed.
         held = reply.started == "partial" and not whole
         if held:
-            request.max_tokens = min(request.max_tokens, 2 * request.urgent_words + 2)
+            request.max_tokens = min(request.max_tokens, turn.held_reply_tokens(request.urgent_words))
         stream = self._continued(reply, request, held)
         first, scored = True, False
         try:
