@@ -31,10 +31,13 @@ from voicemesh.v1 import conversation_pb2
 
 pytestmark = pytest.mark.integration
 
-SHORT = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(max_tokens=24))
 TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
+)
+# Long enough to be more than a few frames (the checks want over half a second of reply), short enough to be quick.
+TALKATIVE_SHORT = conversation_pb2.SessionConfig(
+    system_prompt=TALKATIVE.system_prompt, options=conversation_pb2.PipelineOptions(max_tokens=40)
 )
 # Without a speculative start: a short speculative reply may be synthesized whole before its turn commits, and then
 # its audio is released all at once, with no moment "speaking and still synthesizing" left to strike at.
@@ -172,7 +175,9 @@ async def test_an_llm_replica_hung_before_its_first_token_is_left_at_once(
     waits, this one sends nothing, and the reply goes to the other replica after a second. The replica stays stopped
     until the talk ends: the failover is for its silence, not for the first-token limit (10 s)."""
     with caplog.at_level(logging.INFO, logger="gateway.backends"):
-        outcome = await converse_through_a_fault(replicas, "llm", sigstop(replicas), asked, "spk1_snt1", SHORT)
+        outcome = await converse_through_a_fault(
+            replicas, "llm", sigstop(replicas), asked, "spk1_snt1", TALKATIVE_SHORT
+        )
     check_the_turn_completed_whole(outcome, "spk1_snt1")
     assert outcome.failovers >= 1
     why = [getattr(r, "detail", "") for r in caplog.records if r.getMessage() == "llm replica failed; trying the next"]
