@@ -323,7 +323,6 @@ class LlmScorer:
         self._reply_scores: dict[int, float] = {}  # reply id -> its P(turn end), once in
         self._reply_pauses: dict[int, int] = {}  # reply id -> the pause its score goes to
         self._confirmed: dict[int, asyncio.Event] = {}  # reply id (started on a partial) -> a pause has its words
-        self.early_replies = 0
         self.turns = TurnController(TurnPolicy(prefill_partials=False))
         self._stream: RecognitionStream | None = None
         self._prefills = Newest(self._prefill, held=lambda: bool(self._replies))  # one at a time, as the gateway
@@ -335,7 +334,6 @@ class LlmScorer:
         self._reply_scores.clear()
         self._reply_pauses.clear()
         self._confirmed.clear()
-        self.early_replies = 0
         self.turns = TurnController(
             TurnPolicy(prefill_partials=policy.prefill, start_on_partials=policy.start_on_partials)
         )
@@ -371,7 +369,6 @@ class LlmScorer:
                     self._scored(stream, reply_id, command.user_text, command.turn_end)
                 if not pause_id:  # started on a partial: held to its first words until a pause confirms them
                     self._confirmed[reply_id] = asyncio.Event()
-                    self.early_replies += 1
                 task = asyncio.ensure_future(self._reply(stream, reply_id, command.user_text))
                 self._replies[reply_id] = task
                 task.add_done_callback(lambda _, r=reply_id: self._replies.pop(r, None))
@@ -430,6 +427,11 @@ class LlmScorer:
         )
         async for _ in self.engine.generate(rest):
             pass
+
+    @property
+    def early_replies(self) -> int:
+        """Replies of this utterance started on a partial."""
+        return len(self._confirmed)
 
     async def settle(self) -> None:
         for task in list(self._replies.values()):
