@@ -7,7 +7,9 @@ Run on a GPU machine from the repository root, with a Python that has voicemesh 
 
 Per concurrency level (1, 8, 32 by default) it reports time to first token as the client sees it (p50/p95, queue
 included), the server's queue_ms and ttft_ms, and tokens per second: all replies' tokens over the level's wall
-time, and per request after its first token. Every request is bounded (max_tokens, a deadline), so it stops.
+time, and per request after its first token; every other request also asks for the turn-end score, and the level
+reports how many came before the reply, their score_ms, and the scored requests' ttft beside the others'. Every request
+is bounded (max_tokens, a deadline), so it stops.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class Reply:
     ttft_ms: float  # server-reported: slot -> first token
     completion_tokens: int
     finish: str
+    scored: bool = False  # asked for the turn-end score (every other request)
+    turn_end: float | None = None  # the score, if it came before the first text delta
+    score_ms: float | None = None  # server-reported: request -> score
 
 
 def free_port() -> int:
@@ -118,13 +123,21 @@ async def one_request(stub: GeneratorAsyncStub, index: int, max_tokens: int, dea
         temperature=1.0,  # sampled, so replies run longer than this base model's greedy one-liners
         top_p=1.0,
         seed=index + 1,
+        # Every other request also asks for the turn-end score (a second one-token request beside the reply's, in
+        # the same engine steps): its cost shows as the scored requests' ttft against the others'.
+        score_turn_end=index % 2 == 1,
     )
     sent = time.monotonic()
     first_ms = queue_ms = ttft_ms = None
     tokens, finish = 0, "none"
+    turn_end = score_ms = None
     async for response in stub.Generate(request, timeout=deadline_s):
         if not response.ByteSize():
             continue  # a keepalive: the replica is alive, the request still waits
+        if response.HasField("turn_end"):
+            if first_ms is None:
+                turn_end, score_ms = response.turn_end.probability, response.turn_end.score_ms
+            continue
         now_ms = (time.monotonic() - sent) * 1000
         if first_ms is None:
             queue_ms, ttft_ms = response.queue_ms, response.ttft_ms
@@ -134,7 +147,17 @@ async def one_request(stub: GeneratorAsyncStub, index: int, max_tokens: int, dea
             tokens = response.usage.completion_tokens
             finish = llm_pb2.FinishReason.Name(response.finish_reason)
     total_ms = (time.monotonic() - sent) * 1000
-    return Reply(first_ms or total_ms, total_ms, queue_ms or 0.0, ttft_ms or 0.0, tokens, finish)
+    return Reply(
+        first_ms or total_ms,
+        total_ms,
+        queue_ms or 0.0,
+        ttft_ms or 0.0,
+        tokens,
+        finish,
+        request.score_turn_end,
+        turn_end,
+        score_ms,
+    )
 
 
 async def run_level(target: str, concurrency: int, requests: int, max_tokens: int, deadline_s: float) -> dict:
@@ -183,6 +206,13 @@ async def run_level(target: str, concurrency: int, requests: int, max_tokens: in
         "tokens_per_s": _round(total_tokens / wall_s) if wall_s else None,
         "per_request_decode_tokens_per_s": summary(decode_rates),
         "finish_reasons": {name: sum(r.finish == name for r in replies) for name in {r.finish for r in replies}},
+        "turn_end": {
+            "asked": sum(r.scored for r in replies),
+            "scored_before_the_reply": sum(r.turn_end is not None for r in replies),
+            "score_ms": summary([r.score_ms for r in replies if r.score_ms is not None]),
+            "ttft_ms_scored": summary([r.first_token_ms for r in replies if r.scored]),
+            "ttft_ms_unscored": summary([r.first_token_ms for r in replies if not r.scored]),
+        },
     }
 
 

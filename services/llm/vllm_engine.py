@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import os
 import time
 import weakref
@@ -23,6 +24,12 @@ log = logging.getLogger(__name__)
 
 # As the llama.cpp engine's repeat_penalty (which there covers the last 64 tokens; here the prompt and the reply).
 REPETITION_PENALTY = 1.1
+SCORE_GRACE_S = 0.1
+"""How long a reply's first words wait for its turn-end score once they are ready."""
+END_TOKEN_IDS = 128
+"""How many line-ending tokens a turn-end score asks vLLM for (its cap on `logprob_token_ids`, MAX_LOGPROB_TOKEN_IDS):
+the shortest, where nearly all the probability is ("." "?" "!" and a line break, alone or with a space or another
+mark)."""
 
 
 class VllmEngine:
@@ -54,7 +61,8 @@ class VllmEngine:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.enforce_eager = enforce_eager
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs)
+        self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs, scores_turn_end=True)
+        self._end_ids: list[int] = []
         self._llm: Any = None
         self._shutdown: weakref.finalize[..., Any] | None = None
         self._request_ids = itertools.count()
@@ -86,6 +94,7 @@ class VllmEngine:
         # Stop the engine processes at interpreter exit too (the server may end without close()); vLLM's own
         # __del__ runs too late then, when the modules it needs are already torn down.
         self._shutdown = weakref.finalize(self, self._llm.shutdown)
+        self._end_ids = end_token_ids(self._llm.get_tokenizer())
         # Warm-up: the first step allocates buffers; also starts vLLM's output loop on this event loop.
         warm = GenerationRequest(session_id="warm-up", messages=[Message("user", "Hello")], max_tokens=1)
         async for _ in self.generate(warm):
@@ -103,22 +112,21 @@ class VllmEngine:
         return Prefilled(skipped=True)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
-        from vllm.exceptions import VLLMValidationError
-        from vllm.renderers.inputs.preprocess import parse_model_prompt
-
         enqueued = time.monotonic()
         llm = self._llm
-        text = self.prompt.render(request.messages, request.reply_prefix)
-        try:
-            (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, text)])
-        except VLLMValidationError as exc:  # longer than the whole context
-            raise ValueError(f"the prompt does not fit the {self.max_model_len}-token context: {exc}") from exc
+        engine_input = await self._render(self.prompt.render(request.messages, request.reply_prefix))
         prompt_tokens = len(engine_input["prompt_token_ids"])
         room = self.max_model_len - request.max_tokens
         if prompt_tokens > room:
             raise ValueError(f"prompt has {prompt_tokens} tokens; at most {room} fit with max_tokens")
 
         request_id = f"{request.session_id}-{next(self._request_ids)}"
+        # The turn-end score is a request of its own, beside the reply's and in the same engine steps: the prompt up
+        # to the user's last word, one token, the probabilities of the line-ending tokens there. It shares the
+        # reply's prefix blocks; it goes out before the reply's first words, which the gateway expects.
+        score: asyncio.Future[GenerationChunk | None] | None = None
+        if request.score_turn_end and not request.reply_prefix:
+            score = await self._turn_end(request.messages, f"{request_id}-score")
         stream = llm.generate(engine_input, self._sampling(request), request_id)
         self._in_flight += 1
         finished = False
@@ -127,6 +135,15 @@ class VllmEngine:
         finish: str | None = None
         try:
             async for output in stream:
+                if score is not None:
+                    # Usually in by now (the same engine step, or the next). One that queued behind a full batch
+                    # is given up: the reply does not wait, and its pause takes the fixed hangover.
+                    done, _ = await asyncio.wait([score], timeout=SCORE_GRACE_S)
+                    scored = score.result() if done else None
+                    score.cancel()
+                    score = None
+                    if scored is not None:
+                        yield scored
                 completion += len(output.outputs[0].token_ids)
                 if output.num_cached_tokens is not None:
                     cached = output.num_cached_tokens
@@ -152,12 +169,72 @@ class VllmEngine:
                     chunk.completion_tokens = completion
                 yield chunk
         finally:
+            if score is not None:
+                score.cancel()
             self._in_flight -= 1
             # Closing vLLM's stream aborts the request (its GeneratorExit handler); the explicit abort covers a
             # stream that never started. Either frees the batch slot on the next engine step.
             await stream.aclose()
             if not finished:
                 await llm.abort(request_id)
+
+    async def _render(self, text: str) -> Any:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+        llm = self._llm
+        try:
+            (engine_input,) = await llm.renderer.render_cmpl_async([parse_model_prompt(llm.model_config, text)])
+        except VLLMValidationError as exc:  # longer than the whole context
+            raise ValueError(f"the prompt does not fit the {self.max_model_len}-token context: {exc}") from exc
+        return engine_input
+
+    async def _turn_end(
+        self, messages: list[Message], request_id: str
+    ) -> asyncio.Future[GenerationChunk | None] | None:
+        """Queue the turn-end score of the dialogue's last user line (before the reply, so the two share an engine
+        step) and return its result to come: P(a sentence end or a line break right after the user's last word), as
+        the llama.cpp engine scores it, the summed probabilities of the END_TOKEN_IDS line-ending tokens there.
+        None, or a result of None: no words to score, or it failed; the reply goes on either way."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        started = time.monotonic()
+        text = self.prompt.prefill_text(messages)
+        if text is None or not self._end_ids:
+            return None
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            logprob_token_ids=self._end_ids,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        llm = self._llm
+        try:
+            # add_request, not generate: the score must be in the engine's queue before the reply is.
+            collector = await llm.add_request(request_id, await self._render(text), params)
+        except Exception:
+            log.exception("turn-end score failed", extra={"request_id": request_id})
+            return None
+
+        async def result() -> GenerationChunk | None:
+            try:
+                output = await collector.get()
+                while not output.finished:
+                    output = await collector.get()
+                (logprobs,) = output.outputs[0].logprobs  # one token: {token id: Logprob}, the ids asked and its own
+            except asyncio.CancelledError:
+                await llm.abort(collector.request_id, internal=True)
+                raise
+            except Exception:
+                log.exception("turn-end score failed", extra={"request_id": request_id})
+                return None
+            ends = set(self._end_ids)
+            probability = sum(math.exp(lp.logprob) for token, lp in logprobs.items() if token in ends)
+            return GenerationChunk(turn_end=min(1.0, probability), score_ms=(time.monotonic() - started) * 1000)
+
+        return asyncio.ensure_future(result())
 
     def _sampling(self, request: GenerationRequest) -> Any:
         from vllm import SamplingParams
@@ -177,6 +254,14 @@ class VllmEngine:
         if self._shutdown is not None:
             await asyncio.to_thread(self._shutdown)  # a finalizer runs once, whether here or at exit
         self._llm = None
+
+
+def end_token_ids(tokenizer: Any, count: int = END_TOKEN_IDS) -> list[int]:
+    """The `count` shortest tokens that end a user's line: those starting (after spaces) with . ? ! or a line break,
+    the llama.cpp engine's set (`end_tokens`), cut to what vLLM scores per request."""
+    pieces = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    ends = [(len(piece), token) for token, piece in enumerate(pieces) if piece.lstrip(" ")[:1] in (".", "?", "!", "\n")]
+    return [token for _, token in sorted(ends)[:count]]
 
 
 def _timings(metrics: Any, enqueued: float) -> tuple[float, float]:
