@@ -150,11 +150,12 @@ class Backends:
         self.health_interval_s = health_interval_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._maintenance: asyncio.Task[None] | None = None
-        # The LLM answers score_turn_end (llama.cpp does, vLLM does not): learnt from its replies, so the ASR is
-        # told to wait for a score only when one will come.
+        # The LLM answers score_turn_end (llama.cpp and vLLM do; an engine that cannot, or a vLLM reply whose score
+        # queued behind a full batch, does not): learnt from its replies, so the ASR is told to wait for a score only
+        # when one will come.
         self.llm_scores_turn_end = True
-        # LLM replicas whose engine never prefills (vLLM), as they said: no more Prefills go to them. A new replica
-        # (another address) is asked again.
+        # LLM replicas whose engine never prefills (one older than prefills on vLLM, say), as they said: no more
+        # Prefills go to them. A new replica (another address) is asked again.
         self.llm_prefill_unsupported: set[str] = set()
 
     async def start(self) -> None:

