@@ -23,9 +23,10 @@ from gateway.backends import Backends
 from services.llm.convert_gguf import default_model_dir, is_converted
 from services.llm.engine import GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
-from tests.conftest import ROOT, free_port
-from tests.integration.helpers import expect_error
+from tests.conftest import ROOT, free_port, load_clip
+from tests.integration.helpers import expect_error, start_gateway
 from voicemesh import clients
+from voicemesh.conversation import talk
 from voicemesh.mesh import wait_healthy
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
@@ -262,3 +263,17 @@ async def test_prompt_longer_than_the_context_is_out_of_range(vllm_llm: str) -> 
         await expect_error(
             llm_pb2_grpc.GeneratorStub(channel).Generate(request), grpc.StatusCode.OUT_OF_RANGE, "tokens"
         )
+
+
+async def test_a_spoken_turn_ends_on_vllms_score(services: dict[str, str], vllm_llm: str) -> None:
+    """The whole path on vLLM: ASR and TTS services, the gateway, vLLM as the LLM. "The horizon seems extremely
+    distant." (P 0.69) takes the short wait on the score vLLM gave, from a prefill or from the reply."""
+    server = await start_gateway(services["asr"], vllm_llm, services["tts"])
+    try:
+        turns, audio, _ = await talk(f"127.0.0.1:{server.port}", load_clip("horizon"), trailing_silence_s=3.0)
+    finally:
+        await server.stop()
+    assert len(turns) == 1 and turns[0].reply_text and audio, turns
+    metrics = turns[0].metrics.server
+    assert metrics.turn_end_probability > 0.45, f"vLLM's score did not reach the turn: {metrics}"
+    assert metrics.hangover_ms == 64, f"the pause did not take the score's short wait: {metrics}"
