@@ -23,7 +23,7 @@ from llama_cpp import Llama
 from llama_cpp.llama_types import CreateCompletionStreamResponse
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
-from services.llm.prompt import CompletionPrompt
+from services.llm.prompt import CompletionPrompt, ends_line
 
 log = logging.getLogger(__name__)
 
@@ -604,12 +604,8 @@ def turn_end_probability(logits: np.ndarray, end_ids: np.ndarray) -> float:
 
 
 def end_tokens(llama: Llama) -> np.ndarray:
-    """The ids of tokens that end a user's line: those starting (after spaces) with . ? ! or a line break."""
-    ids = []
-    for token in range(llama.n_vocab()):
-        piece = llama.detokenize([token]).decode("utf-8", "ignore").lstrip(" ")
-        if piece[:1] in (".", "?", "!", "\n"):
-            ids.append(token)
+    """The ids of tokens that end a user's line (`ends_line`)."""
+    ids = [t for t in range(llama.n_vocab()) if ends_line(llama.detokenize([t]).decode("utf-8", "ignore"))]
     return np.array(ids, dtype=np.int64)
 
 

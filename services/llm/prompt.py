@@ -34,6 +34,12 @@ CLOSING = ".,;:!?…-—\"'"
 score is in doubt about."""
 
 
+def ends_line(piece: str) -> bool:
+    """Whether a token's text ends a user's line: it starts (after spaces) with . ? ! or a line break. A turn-end
+    score is the probability of such a token right after the user's last word (both engines)."""
+    return piece.lstrip(" ")[:1] in (".", "?", "!", "\n")
+
+
 @dataclass(frozen=True)
 class CompletionPrompt:
     """`User:`/`Assistant:` transcript; the reply ends at a newline or at the next speaker label."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
-from services.llm.prompt import CompletionPrompt
+from services.llm.prompt import CompletionPrompt, ends_line
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class VllmEngine:
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs, scores_turn_end=True, prefills=True)
         self._end_ids: list[int] = []
+        self._end_set: frozenset[int] = frozenset()
         self._llm: Any = None
         self._shutdown: weakref.finalize[..., Any] | None = None
         self._request_ids = itertools.count()
@@ -105,6 +106,7 @@ class VllmEngine:
         # __del__ runs too late then, when the modules it needs are already torn down.
         self._shutdown = weakref.finalize(self, self._llm.shutdown)
         self._end_ids = end_token_ids(self._llm.get_tokenizer())
+        self._end_set = frozenset(self._end_ids)
         # Warm-up: the first step allocates buffers; also starts vLLM's output loop on this event loop.
         warm = GenerationRequest(session_id="warm-up", messages=[Message("user", "Hello")], max_tokens=1)
         async for _ in self.generate(warm):
@@ -252,8 +254,7 @@ class VllmEngine:
             except Exception:
                 log.exception("turn-end score failed", extra={"request_id": request_id})
                 return None
-            ends = set(self._end_ids)
-            probability = sum(math.exp(lp.logprob) for token, lp in logprobs.items() if token in ends)
+            probability = sum(math.exp(lp.logprob) for token, lp in logprobs.items() if token in self._end_set)
             return TurnEndScore(
                 probability=min(1.0, probability),
                 score_ms=(time.monotonic() - started) * 1000,
@@ -284,10 +285,10 @@ class VllmEngine:
 
 
 def end_token_ids(tokenizer: Any, count: int = END_TOKEN_IDS) -> list[int]:
-    """The `count` shortest tokens that end a user's line: those starting (after spaces) with . ? ! or a line break,
-    the llama.cpp engine's set (`end_tokens`), cut to what vLLM scores per request."""
+    """The `count` shortest tokens that end a user's line (`ends_line`): the llama.cpp engine's set, cut to what vLLM
+    scores per request."""
     pieces = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
-    ends = [(len(piece), token) for token, piece in enumerate(pieces) if piece.lstrip(" ")[:1] in (".", "?", "!", "\n")]
+    ends = [(len(piece), token) for token, piece in enumerate(pieces) if ends_line(piece)]
     return [token for _, token in sorted(ends)[:count]]
 
 
