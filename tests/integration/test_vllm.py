@@ -144,7 +144,7 @@ async def test_a_prefill_scores_the_words_so_far_and_leaves_them_cached_for_the_
         done = await stub.Prefill(llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=partial))
         assert not done.skipped and not done.unsupported and done.replica and done.prompt_tokens > 0, done
         assert done.HasField("turn_end") and 0 <= done.turn_end.probability < 0.2, "'...the weather will': not done"
-        # vLLM caches whole blocks (128 tokens on CPU): the persona and examples' fill at least one.
+        # vLLM caches whole blocks (128 tokens on CPU): the persona, examples and the two turns fill at least one.
         again = await stub.Prefill(llm_pb2.PrefillRequest(session_id="vllm-prefill", messages=partial))
         assert 0 < again.cached_prompt_tokens < again.prompt_tokens == done.prompt_tokens, again
         assert again.evaluated_tokens == again.prompt_tokens - again.cached_prompt_tokens
