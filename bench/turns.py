@@ -29,7 +29,9 @@ policy spreads.
 
 `python -m bench.turns --text` scores text alone, word by word through the sentences of bench/turn_sentences.py
 (40 written for it, a tune and a check half; 40 read-speech Harvard sentences), with the LLM service's engine: how
-long the finished ones wait, and how many points inside a sentence would commit within a 400 or 600 ms pause.
+long the finished ones wait, and how many points inside a sentence would commit within a 400 or 600 ms pause; and,
+for candidate calibrations of the model's score (TurnEndCalibration), the same over all sentences: the trade to
+choose another model's turn_end_complete_at and turn_end_incomplete_at from.
 """
 
 from __future__ import annotations
@@ -59,7 +61,13 @@ from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh import config, cpus
 from voicemesh.audio import Clip, read_wav, resample
-from voicemesh.endpointing import EndpointingPolicy, lm_completeness
+from voicemesh.endpointing import (
+    LM_COMPLETE_AT,
+    LM_INCOMPLETE_AT,
+    EndpointingPolicy,
+    TurnEndCalibration,
+    lm_completeness,
+)
 from voicemesh.limits import URGENT_WORDS
 from voicemesh.serving import one_blas_thread
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -314,8 +322,9 @@ class LlmScorer:
     runs on until the controller cancels it (the user went on speaking) or it ends, its CPU competing as it would
     live. With `prefill`, the partials' words go to the engine while the user speaks, as the controller decides."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, calibration: TurnEndCalibration) -> None:
         self.engine = engine
+        self.calibration = calibration  # the engine's model's, applied as the LLM service applies it
         self.scores: list[tuple[str, float]] = []
         self.scored_by_prefill = 0  # pauses scored by a prefill of the candidate's words, not by its reply
         self.prefill_scores = True
@@ -392,7 +401,8 @@ class LlmScorer:
 
     async def _prefill(self, user_text: str) -> None:
         done = await self.engine.prefill(SESSION, [Message("user", user_text)])
-        commands = self.turns.on_prefilled(user_text, done.turn_end if self.prefill_scores else None)
+        turn_end = None if done.turn_end is None else self.calibration.standard(done.turn_end)
+        commands = self.turns.on_prefilled(user_text, turn_end if self.prefill_scores else None)
         if self._stream is not None:
             self._apply(self._stream, commands)  # a score that says the turn is finished starts the reply
 
@@ -413,7 +423,7 @@ class LlmScorer:
         async for chunk in self.engine.generate(request):
             if chunk.turn_end is not None:
                 scored = True
-                self._scored(stream, reply_id, text, chunk.turn_end)
+                self._scored(stream, reply_id, text, self.calibration.standard(chunk.turn_end))
             elif not scored:
                 scored = True
                 stream.turn_score(asr_pb2.TurnScore(pause_id=self._reply_pauses[reply_id], declined=True))
@@ -587,21 +597,58 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
     return report
 
 
+CANDIDATE_COMPLETE_AT = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+"""The `calibrations` table's short-wait points; each one's long-wait point keeps the default's ratio (0.2 / 0.45)."""
+
+
+def operating_point(
+    finished: list[float], inside: list[float], calibration: TurnEndCalibration, policy: EndpointingPolicy
+) -> dict[str, object]:
+    """What a calibration does with a model's raw P(turn end) at the ends of sentences (`finished`) and at the
+    points inside them (`inside`): how long the finished ones wait, and the share of inside points that would
+    commit within a pause of 200, 400 or 600 ms (each such pause there a cut-off)."""
+
+    def wait(probability: float) -> int:
+        return policy.hangover_for(lm_completeness(calibration.standard(probability)))
+
+    waits = sorted(wait(p) for p in finished)
+    inner = [wait(p) for p in inside]
+    return {
+        "complete_at": calibration.complete_at,
+        "incomplete_at": calibration.incomplete_at,
+        "finished_wait_ms_p50": statistics.median(waits) if waits else None,
+        "finished_wait_ms_p90": round(float(np.percentile(waits, 90))) if waits else None,
+        "finished_at_min_hangover": round(sum(w == policy.min_hangover_ms for w in waits) / len(waits), 3)
+        if waits
+        else None,
+        **{
+            f"inside_within_{ms}ms": round(sum(w < ms for w in inner) / len(inner), 3) if inner else None
+            for ms in (200, 400, 600)
+        },
+    }
+
+
 async def text_scores() -> dict[str, object]:
     """The LLM's P(turn end) word by word through the sentences of bench/turn_sentences.py, as the pause after each
     word would be scored (with the full stop Whisper puts at a pause), and the wait each score sets: the finished
     sentences' waits (short is right), and how many points inside a sentence would commit within a 400 or 600 ms
-    pause (a cut-off there)."""
+    pause (a cut-off there). The engine is the LLM service's, from the same VOICEMESH_LLM_* settings, so another
+    model (VOICEMESH_LLM_MODEL_PATH) is measured the same way; `calibrations` then shows where its
+    turn_end_complete_at and turn_end_incomplete_at might go: the same measures for each candidate pair, over all
+    sentences."""
     from bench.turn_sentences import CHECK, READ, TUNE
 
     policy = EndpointingPolicy()
+    settings = config.build(LlmSettings, "llm")
+    calibration = settings.calibration()
 
     def wait(probability: float) -> int:
-        return policy.hangover_for(lm_completeness(probability))
+        return policy.hangover_for(lm_completeness(calibration.standard(probability)))
 
-    engine = build_engine(LlmSettings())
+    engine = build_engine(settings)
     await engine.start()
-    report: dict[str, object] = {}
+    report: dict[str, object] = {"calibration": asdict(calibration)}
+    every: tuple[list[float], list[float]] = ([], [])
     try:
         for split, sentences in (("tune", TUNE), ("check", CHECK), ("read", READ)):
             finished: list[tuple[float, str]] = []
@@ -617,6 +664,8 @@ async def text_scores() -> dict[str, object]:
                     )
                     scores = [c.turn_end async for c in engine.generate(request) if c.turn_end is not None]
                     (finished if count == len(words) else inside).append((scores[0], text))
+            every[0].extend(p for p, _ in finished)
+            every[1].extend(p for p, _ in inside)
             waits = [wait(p) for p, _ in finished]
             report[split] = {
                 "finished": len(finished),
@@ -631,6 +680,9 @@ async def text_scores() -> dict[str, object]:
             }
     finally:
         await engine.close()
+    ratio = LM_INCOMPLETE_AT / LM_COMPLETE_AT
+    candidates = [TurnEndCalibration(c, round(c * ratio, 3)) for c in CANDIDATE_COMPLETE_AT]
+    report["calibrations"] = [operating_point(*every, c, policy) for c in candidates]
     return report
 
 
@@ -646,10 +698,11 @@ async def measure(
     transcriber = asr.transcriber
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
     engine: Engine | None = None
+    llm_settings = config.build(LlmSettings, "llm", env=env)
     if any(POLICIES[p].llm for p in policies):
-        engine = build_engine(config.build(LlmSettings, "llm", env=env))  # as the LLM service builds it
+        engine = build_engine(llm_settings)  # as the LLM service builds it
         await engine.start()
-    llm = LlmScorer(engine) if engine is not None else None
+    llm = LlmScorer(engine, llm_settings.calibration()) if engine is not None else None
     built = spoken_set(transcriber, spoken) if spoken else build_set(transcriber, clip_names)
     utterances = [u for u in built if kinds is None or u.kind in kinds]
     results: dict[str, object] = {"utterances": len(utterances)}

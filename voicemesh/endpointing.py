@@ -1,8 +1,10 @@
 """End-of-turn settings: the one definition of their defaults and ranges, read by the gateway (which refuses a
-bad session config up front) and by the ASR (which applies it)."""
+bad session config up front), the ASR (which applies it) and the LLM service (which puts its model's turn-end
+score on the scale they use)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from voicemesh.errors import invalid
@@ -71,6 +73,39 @@ LM_INCOMPLETE_AT = 0.2
 log scale from 0.03, which gave such clause ends 250-400 ms: 20 of 185 `tune` points inside sentences committed
 within a 600 ms pause against 14 now (`check`: 23 against 16). The cost: a finished sentence the model doubts
 (P 0.15, "We are sure that one war is enough": the model expects "... enough to") waits the full maximum."""
+
+
+@dataclass(frozen=True)
+class TurnEndCalibration:
+    """Where one language model's P(turn end) means finished and unfinished. LM_COMPLETE_AT and LM_INCOMPLETE_AT
+    were measured on Gemma 3 270M; another model puts the same sentences elsewhere on its own scale. An LLM
+    replica maps its model's probability onto theirs (`standard`) before it sends it, so the gateway and the ASR
+    use one scale whichever model scored. Choose a model's two points with `python -m bench.turns --text` on
+    that model's engine: its `calibrations` table gives, per candidate pair, how long finished sentences wait and
+    how many points inside sentences would commit within a 200, 400 or 600 ms pause."""
+
+    complete_at: float = LM_COMPLETE_AT
+    """This model's P at and above which a turn is taken as finished (the short wait)."""
+    incomplete_at: float = LM_INCOMPLETE_AT
+    """This model's P at and below which a turn is taken as unfinished (the longest wait)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.incomplete_at < self.complete_at < 1.0:  # NaN fails too
+            raise ValueError(
+                f"turn_end_incomplete_at={self.incomplete_at:g} and turn_end_complete_at={self.complete_at:g}: "
+                "send 0 < incomplete_at < complete_at < 1"
+            )
+
+    def standard(self, probability: float) -> float:
+        """`probability` on the scale of LM_COMPLETE_AT and LM_INCOMPLETE_AT: this model's two points go onto
+        theirs, linearly between them and out to 0 and 1 (the identity for Gemma 3 270M's own points)."""
+        p = min(1.0, max(0.0, probability))
+        for (x0, y0), (x1, y1) in itertools.pairwise(
+            ((0.0, 0.0), (self.incomplete_at, LM_INCOMPLETE_AT), (self.complete_at, LM_COMPLETE_AT), (1.0, 1.0))
+        ):
+            if p <= x1:
+                return y0 + (p - x0) * (y1 - y0) / (x1 - x0)
+        return 1.0
 
 
 def lm_completeness(probability: float) -> float:

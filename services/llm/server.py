@@ -19,6 +19,7 @@ from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.vocabulary import LATIN1, VOCABULARIES, latin1_model
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
+from voicemesh.endpointing import LM_COMPLETE_AT, LM_INCOMPLETE_AT, TurnEndCalibration
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.limits import MAX_TOKENS, URGENT_WORDS
 from voicemesh.serving import OpenCalls, Server, stream_handler, unary_handler
@@ -129,6 +130,23 @@ class LlmSettings(config.ServerSettings):
     vllm_model_dir: str = config.setting(
         "", "vllm: Hugging Face model directory; empty = model_path, else Gemma 3 270M converted into the cache"
     )
+    turn_end_complete_at: float = config.setting(
+        LM_COMPLETE_AT,
+        "this model's P(turn end) from which a user's turn is taken as finished: the short wait (the default is "
+        "Gemma 3 270M's; for another model choose it with python -m bench.turns --text, see TurnEndCalibration)",
+    )
+    turn_end_incomplete_at: float = config.setting(
+        LM_INCOMPLETE_AT,
+        "this model's P(turn end) up to which a user's turn is taken as unfinished: the longest wait (the default is "
+        "Gemma 3 270M's)",
+    )
+
+    def calibration(self) -> TurnEndCalibration:
+        """Where this model's turn-end scores sit; a bad pair stops the service at start, saying why."""
+        try:
+            return TurnEndCalibration(self.turn_end_complete_at, self.turn_end_incomplete_at)
+        except ValueError as exc:
+            raise SystemExit(f"llm: {exc}") from exc
 
 
 def to_messages(dialogue: Sequence[llm_pb2.ChatMessage]) -> list[Message]:
@@ -257,6 +275,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         self.engine = engine
         self.ready = False
         self.replica = settings.replica or socket.gethostname()
+        self.calibration = settings.calibration()
         self.admission = QueueAdmission(engine.capabilities.max_concurrency, settings.max_queue_wait_ms, self.replica)
         self.calls = OpenCalls()  # a drain lets the replies in flight finish and refuses new ones
 
@@ -316,8 +335,14 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         response.evaluated_tokens = done.evaluated_tokens
         response.skipped = done.skipped
         if done.turn_end is not None:
-            response.turn_end.probability, response.turn_end.score_ms = done.turn_end, done.score_ms
+            response.turn_end.CopyFrom(self._turn_end(done.turn_end, done.score_ms))
         return response
+
+    def _turn_end(self, probability: float, score_ms: float) -> llm_pb2.TurnEnd:
+        """The model's score, and the same on the scale every caller reads (this model's calibration applied)."""
+        return llm_pb2.TurnEnd(
+            probability=self.calibration.standard(probability), score_ms=score_ms, model_probability=probability
+        )
 
     async def _generate(
         self, generation: GenerationRequest, span: Span, admitted: Admitted
@@ -337,9 +362,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                     yield llm_pb2.GenerateResponse()  # a keepalive
                     continue
                 if chunk.turn_end is not None:
-                    yield llm_pb2.GenerateResponse(
-                        turn_end=llm_pb2.TurnEnd(probability=chunk.turn_end, score_ms=chunk.score_ms)
-                    )
+                    yield llm_pb2.GenerateResponse(turn_end=self._turn_end(chunk.turn_end, chunk.score_ms))
                     continue
                 if slot_since_ms is None:
                     slot_since_ms = monotonic_ms() - (chunk.ttft_ms or 0.0)
@@ -385,6 +408,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
 
 
 def build_server(settings: LlmSettings) -> Server:
+    settings.calibration()  # a bad pair stops the service before the model loads
     engine = build_engine(settings)
     servicer = GeneratorServicer(settings, engine)
 

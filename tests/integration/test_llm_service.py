@@ -9,8 +9,10 @@ import re
 import grpc
 import pytest
 
+from services.llm import server as llm_server
 from tests.integration.helpers import expect_error
 from voicemesh import clients
+from voicemesh.endpointing import TurnEndCalibration
 from voicemesh.v1 import llm_pb2, llm_pb2_grpc
 
 pytestmark = pytest.mark.integration
@@ -217,6 +219,36 @@ async def test_the_turn_end_score_comes_first_and_tells_a_finished_sentence_from
         assert responses[1].ttft_ms > 0 and "".join(r.text_delta for r in responses).strip(), "the reply follows"
     p_finished, p_broken = finished[0].turn_end.probability, broken_off[0].turn_end.probability
     assert p_finished > 0.2 > 0.02 > p_broken, (p_finished, p_broken)
+    # The embedded model's scores are the common scale: the replica sends them as the model gave them.
+    assert finished[0].turn_end.model_probability == pytest.approx(p_finished, abs=1e-6)
+
+
+async def test_a_replica_puts_its_models_turn_end_scores_on_the_common_scale() -> None:
+    """A replica told where its model's scores sit (as for a model that scores every line higher: finished from 0.9,
+    unfinished up to 0.5) sends each score mapped onto the scale the gateway and the ASR read, from replies and
+    prefills alike, with the model's own probability beside it."""
+    calibration = TurnEndCalibration(complete_at=0.9, incomplete_at=0.5)
+    server = llm_server.build_server(
+        llm_server.LlmSettings(port=0, turn_end_complete_at=0.9, turn_end_incomplete_at=0.5)
+    )
+    await server.start()
+    target = f"127.0.0.1:{server.port}"
+    try:
+        replied = await _scored(target, "The child almost hurt the small dog.")
+        async with grpc.aio.insecure_channel(target) as channel:
+            prefilled = await llm_pb2_grpc.GeneratorStub(channel).Prefill(
+                llm_pb2.PrefillRequest(
+                    session_id="calibrated", messages=[llm_pb2.ChatMessage(role=USER, content="The horizon seems")]
+                )
+            )
+    finally:
+        await server.stop()
+    for turn_end in (replied[0].turn_end, prefilled.turn_end):
+        model = turn_end.model_probability
+        assert 0 < model < 1
+        assert turn_end.probability == pytest.approx(calibration.standard(model), abs=1e-6)
+    # Gemma's ~0.45 for the finished sentence is, for a model that scores everything higher, a doubtful score.
+    assert replied[0].turn_end.probability < 0.9 * replied[0].turn_end.model_probability
 
 
 async def test_no_turn_end_score_without_the_flag_or_when_continuing_a_reply(services: dict[str, str]) -> None:

@@ -1,7 +1,16 @@
+import re
+
 import pytest
 
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
-from voicemesh.endpointing import LM_COMPLETE_AT, LM_INCOMPLETE_AT, lm_completeness, policy_from, to_proto
+from voicemesh.endpointing import (
+    LM_COMPLETE_AT,
+    LM_INCOMPLETE_AT,
+    TurnEndCalibration,
+    lm_completeness,
+    policy_from,
+    to_proto,
+)
 from voicemesh.errors import RequestError
 from voicemesh.v1 import asr_pb2
 
@@ -160,6 +169,61 @@ def test_a_language_models_probability_maps_onto_the_completeness_scale() -> Non
     assert waits[1] < waits[2] < waits[3] < waits[4] < waits[5]
     # A clause end the model half expects to go on ("...against the wizard |", P 0.29) outwaits a 600 ms pause.
     assert EndpointingPolicy().hangover_for(lm_completeness(0.29)) > 600
+
+
+def test_the_embedded_models_calibration_leaves_its_scores_as_they_are() -> None:
+    for p in (0.0, 0.01, LM_INCOMPLETE_AT, 0.29, 0.4, LM_COMPLETE_AT, 0.7, 1.0):
+        assert TurnEndCalibration().standard(p) == pytest.approx(p)
+
+
+def test_another_models_scores_go_onto_the_embedded_models_scale() -> None:
+    """A model that scores everything higher (finished from 0.9, unfinished up to 0.5): its points land on 0.45 and
+    0.2, so its scores wait as long as the embedded model's would for the same judgement."""
+    sure = TurnEndCalibration(complete_at=0.9, incomplete_at=0.5)
+    assert sure.standard(0.9) == pytest.approx(LM_COMPLETE_AT) and sure.standard(0.5) == pytest.approx(LM_INCOMPLETE_AT)
+    assert sure.standard(0.0) == 0.0 and sure.standard(1.0) == 1.0
+    assert sure.standard(-0.5) == 0.0 and sure.standard(1.5) == 1.0  # a model's rounding past the ends
+    points = [i / 100 for i in range(101)]
+    mapped = [sure.standard(p) for p in points]
+    assert mapped == sorted(mapped), "the order of scores is kept"
+    # What Gemma scores 0.46 (the short wait), this model scores ~0.92; its own 0.46 is a long wait.
+    policy = EndpointingPolicy()
+    assert policy.hangover_for(lm_completeness(sure.standard(0.92))) == policy.min_hangover_ms
+    assert policy.hangover_for(lm_completeness(sure.standard(0.46))) == policy.max_hangover_ms
+
+
+@pytest.mark.parametrize(("complete_at", "incomplete_at"), [(0.3, 0.4), (0.5, 0.5), (1.0, 0.2), (0.45, 0.0)])
+def test_a_calibration_whose_points_are_out_of_order_is_refused_saying_what_to_send(
+    complete_at: float, incomplete_at: float
+) -> None:
+    with pytest.raises(ValueError, match="0 < incomplete_at < complete_at < 1"):
+        TurnEndCalibration(complete_at, incomplete_at)
+
+
+def test_an_llm_replica_with_a_bad_calibration_stops_before_it_loads_its_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.llm import server as llm_server
+
+    def no_engine(settings: object) -> None:
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(llm_server, "build_engine", no_engine)
+    settings = llm_server.LlmSettings(turn_end_complete_at=0.3, turn_end_incomplete_at=0.4)
+    with pytest.raises(SystemExit, match=re.escape("llm: turn_end_incomplete_at=0.4 and turn_end_complete_at=0.3")):
+        llm_server.build_server(settings)
+
+
+def test_a_calibrations_operating_point_counts_waits_and_inside_commits() -> None:
+    from bench.turns import operating_point
+
+    policy = EndpointingPolicy()
+    finished, inside = [0.9, 0.5, 0.3], [0.0, 0.01, 0.46, 0.35]
+    default = operating_point(finished, inside, TurnEndCalibration(), policy)
+    assert default["finished_wait_ms_p50"] == policy.min_hangover_ms  # 0.5: the short wait
+    assert default["finished_at_min_hangover"] == round(2 / 3, 3)
+    assert default["inside_within_200ms"] == 0.25  # 0.46 commits at once
+    assert default["inside_within_600ms"] == 0.5  # 0.35 waits ~520 ms
+    stricter = operating_point(finished, inside, TurnEndCalibration(0.6, 0.3), policy)
+    assert stricter["inside_within_600ms"] == 0.25 and stricter["finished_at_min_hangover"] == round(1 / 3, 3)
 
 
 def test_a_score_that_never_comes_leaves_the_fixed_hangover() -> None:

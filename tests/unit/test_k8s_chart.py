@@ -138,6 +138,17 @@ def test_gpu_values_run_vllm_on_a_gpu(rendered):
         assert "nvidia.com/gpu" not in str(container(deployment(rendered["gpu"], component))["resources"])
     assert "nvidia.com/gpu" not in str(container(deployment(rendered["default"], "llm"))["resources"])
     assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_ENGINE"] == "llama_cpp"
+
+
+def test_the_llm_replicas_get_their_models_turn_end_calibration(rendered):
+    default = env_of(deployment(rendered["default"], "llm"))
+    assert (default["VOICEMESH_LLM_TURN_END_COMPLETE_AT"], default["VOICEMESH_LLM_TURN_END_INCOMPLETE_AT"]) == (
+        "0.45",
+        "0.2",
+    )
+    other = with_credentials(set_values={"llm": {"turnEnd": {"completeAt": 0.8, "incompleteAt": 0.35}}})
+    env = env_of(deployment(other, "llm"))
+    assert (env["VOICEMESH_LLM_TURN_END_COMPLETE_AT"], env["VOICEMESH_LLM_TURN_END_INCOMPLETE_AT"]) == ("0.8", "0.35")
     assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_MAX_BATCH"] == "8", "batched on CPU"
 
 

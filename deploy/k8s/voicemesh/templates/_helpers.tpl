@@ -503,6 +503,10 @@ true
   value: {{ $c.maxNumBatchedTokens | quote }}
 - name: {{ $prefix }}MAX_QUEUE_WAIT_MS
   value: {{ $c.maxQueueWaitMs | quote }}
+- name: {{ $prefix }}TURN_END_COMPLETE_AT
+  value: {{ $c.turnEnd.completeAt | quote }}
+- name: {{ $prefix }}TURN_END_INCOMPLETE_AT
+  value: {{ $c.turnEnd.incompleteAt | quote }}
 {{- if $modelPath }}
 - name: {{ $prefix }}MODEL_PATH
   value: {{ printf "%s/%s" $mount $modelPath | quote }}
