@@ -33,18 +33,19 @@ CANDIDATE_COMPLETE_AT = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 
 """The `calibrations` table's short-wait points; each one's long-wait point keeps the default's ratio (0.2 / 0.45)."""
 
 
+def wait_ms(probability: float, calibration: TurnEndCalibration, policy: EndpointingPolicy) -> int:
+    """The silence a pause that a model scored `probability` waits, under `calibration`."""
+    return policy.hangover_for(lm_completeness(calibration.standard(probability)))
+
+
 def operating_point(
     finished: list[float], inside: list[float], calibration: TurnEndCalibration, policy: EndpointingPolicy
 ) -> dict[str, object]:
     """What a calibration does with a model's raw P(turn end) at the ends of sentences (`finished`) and at the
     points inside them (`inside`): how long the finished ones wait, and the share of inside points that would
     commit within a pause of 200, 400 or 600 ms (each such pause there a cut-off)."""
-
-    def wait(probability: float) -> int:
-        return policy.hangover_for(lm_completeness(calibration.standard(probability)))
-
-    waits = sorted(wait(p) for p in finished)
-    inner = [wait(p) for p in inside]
+    waits = sorted(wait_ms(p, calibration, policy) for p in finished)
+    inner = [wait_ms(p, calibration, policy) for p in inside]
     return {
         "complete_at": calibration.complete_at,
         "incomplete_at": calibration.incomplete_at,
@@ -75,7 +76,7 @@ async def text_scores() -> dict[str, object]:
     calibration = settings.calibration()
 
     def wait(probability: float) -> int:
-        return policy.hangover_for(lm_completeness(calibration.standard(probability)))
+        return wait_ms(probability, calibration, policy)
 
     engine = build_engine(settings)
     await engine.start()
