@@ -1,4 +1,6 @@
-"""Run every benchmark and write one JSON file under bench/results/ (`make bench`)."""
+"""The benchmark suite: `python -m bench --list` names each benchmark, `python -m bench NAME [ARGS]` runs one (ARGS go
+to its own command line; `python -m bench NAME --help` shows them), and `python -m bench` runs the full set and
+writes one JSON file under bench/results/ (`make bench`)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,68 @@ import asyncio
 import json
 import os
 import platform
+import runpy
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench import asr_batch, asr_urgency, continuation, llm_batch, pipeline, routing, services, turns, vocabulary
-from bench.chaos import __main__ as chaos
-from voicemesh import loadtest
+
+@dataclass(frozen=True)
+class Benchmark:
+    module: str  # run as `python -m MODULE *command ARGS`
+    purpose: str
+    command: tuple[str, ...] = ()
 
 
-def main() -> None:
+BENCHMARKS = {
+    "services": Benchmark(
+        "bench.services",
+        "each engine alone: ASR trimmed vs 30 s window, LLM cold vs cached TTFT, TTS words vs sentence",
+    ),
+    "pipeline": Benchmark(
+        "bench.pipeline", "voice-to-voice latency of the whole mesh: naive, sentence and all-on pipelines"
+    ),
+    "turns": Benchmark("bench.turns", "end of turn: false cut-offs against dead air, fixed and scored hangover"),
+    "turn_text": Benchmark(
+        "bench.turn_text", "end of turn on text alone: the LLM's P(turn end) word by word, its waits"
+    ),
+    "routing": Benchmark("bench.routing", "LLM routing over two replicas: sticky vs round-robin, admission on vs off"),
+    "llm_batch": Benchmark("bench.llm_batch", "llama.cpp replies at once: batched vs slot engine tokens/s and TTFT"),
+    "browser": Benchmark("bench.browser", "V2V in a real browser over WebRTC and WebSocket, beside a gRPC client"),
+    "chaos": Benchmark("bench.chaos", "faults under load (SIGKILL/SIGSTOP/SIGTERM of a replica), fuzz and soak"),
+    "fuzz": Benchmark(
+        "bench.chaos.fuzz", "every door of a fresh mesh fuzzed with hypothesis: refusals, crashes, hangs"
+    ),
+    "loadtest": Benchmark(
+        "voicemesh.cli",
+        "concurrent conversations on a mesh: V2V percentiles, capacity (voicemesh loadtest)",
+        ("loadtest",),
+    ),
+}
+
+
+def list_benchmarks() -> str:
+    width = max(len(name) for name in BENCHMARKS)
+    lines = [f"{name:<{width}}  {benchmark.purpose}" for name, benchmark in BENCHMARKS.items()]
+    return "\n".join(
+        [*lines, "", "python -m bench NAME [ARGS]: one of them; python -m bench: the full set (make bench)"]
+    )
+
+
+def run_one(name: str, args: list[str]) -> None:
+    """Run benchmark `name` as `python -m MODULE ARGS` would."""
+    benchmark = BENCHMARKS[name]
+    sys.argv = [f"python -m bench {name}", *benchmark.command, *args]
+    runpy.run_module(benchmark.module, run_name="__main__", alter_sys=True)
+
+
+def run_all() -> None:
+    """The full set, one JSON document, also written under bench/results/."""
+    from bench import llm_batch, pipeline, routing, services, turns
+    from bench.chaos import __main__ as chaos
+    from voicemesh import loadtest
+
     results: dict[str, object] = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg": os.getloadavg()},
@@ -25,14 +79,8 @@ def main() -> None:
     end_of_turn = turns.run()
     end_of_turn.pop("per_utterance", None)
     results["end_of_turn"] = end_of_turn
-    continued = continuation.run(list(continuation.DEFAULT_CLIPS))
-    continued.pop("per_utterance", None)
-    results["continued_turns"] = continued
     results["llm_routing"] = routing.run()
     results["llm_batched_decode"] = llm_batch.run()
-    results["llm_vocabulary"] = vocabulary.run()
-    results["asr_batched_finals"] = asr_batch.run()
-    results["asr_partial_urgency"] = asr_urgency.run()
     audio = Path(__file__).resolve().parents[2] / "shared" / "audio"
     if audio.exists():
         clips = tuple(str(audio / f"{name}.wav") for name in ("spk1_snt1", "spk2_snt1", "wizard", "horizon"))
@@ -48,5 +96,18 @@ def main() -> None:
     print(f"\nwrote {path}")
 
 
+def main(argv: list[str]) -> None:
+    if not argv:
+        run_all()
+    elif argv[0] in ("--list", "-l"):
+        print(list_benchmarks())
+    elif argv[0] in ("--help", "-h"):
+        print(__doc__, "", list_benchmarks(), sep="\n")
+    elif argv[0] in BENCHMARKS:
+        run_one(argv[0], argv[1:])
+    else:
+        raise SystemExit(f"no benchmark {argv[0]!r}; one of: {', '.join(BENCHMARKS)} (python -m bench --list)")
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -4,8 +4,8 @@
 - faults: SIGKILL, SIGSTOP and SIGTERM of one of two replicas of each stage, mid-conversation, under load;
 - soak: conversations back to back with one replica restarted halfway; RSS and task-count slopes.
 
-Targets (issue 14): 0 lost turns, 0 lost frames, 0 crashes, recovery p99 <= 2 s. `--quick` is the short version
-`make test` runs (tests/integration/test_chaos.py).
+Targets: 0 lost turns, 0 lost frames, 0 crashes, recovery p99 <= 2 s. `--quick` is the short version of what
+`make test` runs (tests/integration/test_chaos.py); the faults and the fuzz themselves live in harness/.
 """
 
 from __future__ import annotations
@@ -18,30 +18,21 @@ import sys
 import time
 from typing import Any
 
-from bench.chaos import faults
-from bench.chaos.faults import KINDS, STAGES
-from voicemesh.audio import Clip
-
-DEFAULT_CLIPS = ("spk2_snt1", "horizon", "spk1_snt1")
-QUICK_FAULTS = [("asr", "sigkill"), ("llm", "sigstop"), ("tts", "sigterm")]
-
-
-def load_clips(names: list[str]) -> list[Clip]:
-    """The clips from ../shared/audio, or, without it, our own TTS reading their transcripts."""
-    from tests.conftest import load_clip
-
-    return [load_clip(name) for name in names]
+from bench.chaos import soak
+from harness import faults
+from harness.clips import load_clip
+from harness.faults import DEFAULT_CLIPS, KINDS, QUICK_FAULTS, STAGES
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    clips = load_clips(args.clips.split(","))
+    clips = [load_clip(name) for name in args.clips.split(",")]
     mesh = faults.two_replicas()
     report: dict[str, Any] = {"sessions": args.sessions, "clips": args.clips.split(",")}
     started = time.monotonic()
     try:
         await mesh.wait(timeout_s=300)
         if args.fuzz_examples:
-            from bench.chaos.fuzz import run_fuzz
+            from harness.fuzz import run_fuzz
 
             report["fuzz"] = await run_fuzz(mesh, examples=args.fuzz_examples)
         results = []
@@ -52,7 +43,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         report["faults"] = results
         report["totals"] = totals(results)
         if args.soak_s:
-            report["soak"] = faults.as_json(await faults.run_soak(mesh, clips, args.soak_s, args.sessions))
+            report["soak"] = soak.as_json(await soak.run_soak(mesh, clips, args.soak_s, args.sessions))
     finally:
         mesh.stop_all()
     report["wall_s"] = round(time.monotonic() - started, 1)
@@ -82,7 +73,7 @@ def totals(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench chaos", description=__doc__.split("\n")[0])
     parser.add_argument("--stages", default=",".join(STAGES))
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.set_defaults(faults=None)

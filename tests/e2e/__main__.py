@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from bench.browser import isolate_network
+from harness.browser import isolate_network
 
 
 def main() -> int:

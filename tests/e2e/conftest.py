@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from bench.browser import PageDriver, browser_missing, fake_mic_wav, launch
 from gateway.server import GatewayServer, GatewaySettings, build_server
+from harness.browser import PageDriver, browser_missing, fake_mic_wav, launch
 from tests.conftest import free_port
 from voicemesh.audio import Clip
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos.__main__ import DEFAULT_CLIPS, QUICK_FAULTS
-from bench.chaos.faults import run_fault
+from harness.faults import DEFAULT_CLIPS, QUICK_FAULTS, run_fault
 from tests.conftest import load_clip
 from voicemesh.mesh import Mesh
 

@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from bench.chaos.faults import generating, mid_utterance, replica_of, speaking, start_gateway
 from gateway.backends import LLM_FIRST_TOKEN_TIMEOUT_S
 from gateway.server import GatewayServer
 from gateway.session import Session
+from harness.faults import generating, mid_utterance, replica_of, speaking, start_gateway
 from tests.conftest import TRANSCRIPTS, load_clip, max_wer
 from voicemesh import telemetry
 from voicemesh.conversation import ReplyAudio, ReplyDone, ReplyText, SessionError, TalkTurn, talk

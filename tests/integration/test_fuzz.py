@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from bench.chaos.doors import DOORS, Door, Limits
-from bench.chaos.fuzz import fuzz_door, fuzz_gateway, open_doors
-from bench.chaos.health import ControlSession, LogWatch, Targets, check_batch
+from harness.doors import DOORS, Door, Limits
+from harness.fuzz import fuzz_door, fuzz_gateway, open_doors
+from harness.health import ControlSession, LogWatch, Targets, check_batch
 from tests.conftest import TRANSCRIPTS, load_clip
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from llama_cpp import Llama
 
-from bench.vocabulary import pieces, turn_end_after
 from services.llm.engine import Message
-from services.llm.llama_cpp_engine import default_model_path, end_tokens
+from services.llm.llama_cpp_engine import default_model_path, end_tokens, logits_at, turn_end_probability
 from services.llm.prompt import CompletionPrompt
 from services.llm.server import LlmSettings, build_engine
 from services.llm.vocabulary import keeps, latin1_model
@@ -25,6 +24,18 @@ SENTENCES = (
     "The café on Rue de Rivoli serves crêpes for €4.50 — not bad…",
     "We are sure that one war is enough",
 )
+
+
+def pieces(llama: Llama, text: str) -> list[bytes]:
+    """How `llama` tokenizes `text`, as the bytes of each piece (comparable across vocabularies, unlike ids)."""
+    return [llama.detokenize([token]) for token in llama.tokenize(text.encode(), add_bos=False)]
+
+
+def turn_end_after(llama: Llama, ends: np.ndarray, text: str) -> float:
+    """P(turn end) after `text` (`ends`: `end_tokens(llama)`), from the logits of its last token."""
+    llama.reset()
+    llama.eval(llama.tokenize(text.encode(), add_bos=True))
+    return turn_end_probability(logits_at(llama, -1), ends)
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """Is the mesh well, after a batch of fuzz: every process alive and answering a well-formed call, no session left
-open, no error logged, and a calm conversation beside the fuzz going on unharmed (bench/chaos/fuzz.py runs these)."""
+open, no error logged, and a calm conversation beside the fuzz going on unharmed (harness/fuzz.py runs these)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import subprocess
 import time
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,14 +20,14 @@ import numpy as np
 from grpc_health.v1 import health_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.clips import SHARED_AUDIO
 from voicemesh import clients
 from voicemesh.audio import Clip, read_wav
 from voicemesh.conversation import SessionError, Started, talk
 from voicemesh.serving import health_check
 from voicemesh.v1 import llm_pb2
 
-ROOT = Path(__file__).resolve().parents[2]
-CONTROL_CLIP = ROOT.parent / "shared" / "audio" / "spk1_snt1.wav"
+CONTROL_CLIP = SHARED_AUDIO / "spk1_snt1.wav"
 CONTROL_TRANSCRIPT = "The child almost hurt the small dog."
 REPORTED = 5
 """Problems listed per check (the rest are counted)."""

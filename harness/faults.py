@@ -1,5 +1,5 @@
 """Process faults under load: two real replicas per stage, a few conversations talking, and one replica SIGKILLed,
-SIGSTOPped or SIGTERMed mid-conversation; then a soak with one replica restarted halfway.
+SIGSTOPped or SIGTERMed mid-conversation (`python -m bench chaos` and tests/integration/test_chaos.py, test_failover.py).
 
 Each conversation speaks its utterances in real time with pauses between them (`voicemesh.conversation.talk`), to a
 gateway in this process (so its sessions can be accounted for: every frame the ASR acknowledged, every reply frame
@@ -21,8 +21,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
-import resource
 import signal
 import tempfile
 import time
@@ -36,7 +34,7 @@ from gateway.server import GatewayServer, GatewaySettings, build_server
 from gateway.session import Session
 from voicemesh.audio import Clip
 from voicemesh.clients import epoch_us
-from voicemesh.conversation import ReplyAudio, ReplyDone, SessionError, TalkTurn, talk
+from voicemesh.conversation import Event, ReplyAudio, ReplyDone, SessionError, TalkTurn, talk
 from voicemesh.cpus import available_cpus, budget_env
 from voicemesh.mesh import Mesh, free_port
 from voicemesh.v1 import conversation_pb2
@@ -48,6 +46,8 @@ KINDS = ("sigkill", "sigstop", "sigterm")
 DURING_S = 10.0  # turns whose speech ended this soon after a fault count as "during" it
 FAULT_HOLD_S = 5.0  # a killed or stopped replica comes back (restarted, continued) after this long
 GAP_S = 6.0  # silence between a conversation's utterances: a reply (at most SHORT_REPLY) ends before the next
+DEFAULT_CLIPS = ("spk2_snt1", "horizon", "spk1_snt1")
+QUICK_FAULTS = [("asr", "sigkill"), ("llm", "sigstop"), ("tts", "sigterm")]  # one a stage: what `make test` runs
 SHORT_REPLY = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(max_tokens=24))
 
 
@@ -58,7 +58,7 @@ class Conversation:
     index: int
     utterances: int
     turns: list[TalkTurn] = field(default_factory=list)
-    events: list[object] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     sessions: list[Session] = field(default_factory=list)
     error: str = ""
 
@@ -343,91 +343,13 @@ def summary(values: list[float]) -> dict[str, float | int]:
     }
 
 
-# ---- soak ------------------------------------------------------------------------------------------------------
-@dataclass
-class SoakReport:
-    duration_s: float
-    sessions: int
-    restarted: str
-    turns_attempted: int = 0
-    turns_completed: int = 0
-    samples: list[dict[str, float]] = field(default_factory=list)
-    rss_slope_mb_per_min: float = 0.0
-    tasks_slope_per_min: float = 0.0
-    errors: list[str] = field(default_factory=list)
-
-
-async def run_soak(mesh: Mesh, clips: Sequence[Clip], duration_s: float, sessions: int = 4) -> SoakReport:
-    """Conversations back to back for `duration_s`; the LLM replica most used is SIGTERMed and restarted halfway.
-    RSS (of this process: the gateway and the callers) and the event loop's task count are sampled throughout."""
-    server = await start_gateway(mesh)
-    target = f"127.0.0.1:{server.port}"
-    report = SoakReport(duration_s, sessions, "")
-    started = time.monotonic()
-    deadline = started + duration_s
-
-    async def caller(index: int) -> None:
-        round_ = 0
-        while time.monotonic() < deadline - 20:
-            conversation = Conversation(index, 3)
-            await converse(target, conversation, script(clips, 3, index + round_), index * 0.7 if not round_ else 0)
-            done = {e.turn_index for e in conversation.events if isinstance(e, ReplyDone)}
-            report.turns_attempted += 3
-            report.turns_completed += min(3, len([t for t in conversation.turns if t.turn_index in done]))
-            if conversation.error:
-                report.errors.append(conversation.error)
-            round_ += 1
-
-    async def sample() -> None:
-        while True:
-            report.samples.append(
-                {
-                    "t_s": round(time.monotonic() - started, 1),
-                    "rss_mb": round(_rss_mb(), 1),
-                    "tasks": len(asyncio.all_tasks()),
-                }
-            )
-            await asyncio.sleep(10)
-
-    async def restart_halfway() -> None:
-        await asyncio.sleep(duration_s / 2)
-        report.restarted = victim_of(server, "llm", mesh)
-        await inject(mesh, report.restarted, "sigterm")
-
-    sampler = asyncio.ensure_future(sample())
-    try:
-        await asyncio.gather(*(caller(i) for i in range(sessions)), restart_halfway())
-    finally:
-        sampler.cancel()
-        await server.stop()
-    # The slope over the second half of the soak (the first holds warm-up: caches, first allocations).
-    late = [s for s in report.samples if s["t_s"] >= duration_s / 2]
-    if len(late) >= 3:
-        times = [s["t_s"] / 60 for s in late]
-        report.rss_slope_mb_per_min = round(float(np.polyfit(times, [s["rss_mb"] for s in late], 1)[0]), 3)
-        report.tasks_slope_per_min = round(float(np.polyfit(times, [s["tasks"] for s in late], 1)[0]), 3)
-    return report
-
-
-def _rss_mb() -> float:
-    try:
-        with open(f"/proc/{os.getpid()}/status") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def as_json(report: FaultReport | SoakReport) -> dict[str, Any]:
+def as_json(report: FaultReport) -> dict[str, Any]:
     data = dataclasses.asdict(report)
-    if isinstance(report, FaultReport):
-        data["survived"] = report.survived
-        data["recovery_ms"] = summary(report.recovery_ms) | {"values": [round(v) for v in report.recovery_ms]}
-        data["recovery_excess_ms"] = summary(report.recovery_excess_ms)
-        data["recovery_excess_values"] = [round(v) for v in report.recovery_excess_ms]
-        data["reply_gap_ms"] = summary(report.reply_gap_ms) | {"values": [round(v) for v in report.reply_gap_ms]}
+    data["survived"] = report.survived
+    data["recovery_ms"] = summary(report.recovery_ms) | {"values": [round(v) for v in report.recovery_ms]}
+    data["recovery_excess_ms"] = summary(report.recovery_excess_ms)
+    data["recovery_excess_values"] = [round(v) for v in report.recovery_excess_ms]
+    data["reply_gap_ms"] = summary(report.reply_gap_ms) | {"values": [round(v) for v in report.reply_gap_ms]}
     return data
 
 

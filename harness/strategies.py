@@ -1,5 +1,5 @@
 """Hypothesis strategies for fuzzing the doors: any protobuf message, mutations of well-formed ones, hostile text and
-JSON, and one case type per door (bench/chaos/fuzz.py runs them).
+JSON, and one case type per door (harness/fuzz.py runs them).
 
 Accepted work is kept small on purpose (a few frames, a few words, a few tokens): the fuzz is about what a door
 does with odd input, not about load, so a case that a door accepts costs the backends little, and text long enough

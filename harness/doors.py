@@ -22,8 +22,8 @@ from google.protobuf.message import Message
 from hypothesis import strategies as st
 from yarl import URL
 
-from bench.chaos import strategies
-from bench.chaos.strategies import OWN_ORIGIN, HttpCase, StreamCase, WsCase
+from harness import strategies
+from harness.strategies import OWN_ORIGIN, HttpCase, StreamCase, WsCase
 from voicemesh.v1 import asr_pb2_grpc, conversation_pb2, conversation_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
 
 
