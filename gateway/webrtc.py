@@ -165,8 +165,8 @@ class PacketPerFrameBuffer(JitterBuffer):
     prefetch. An Opus packet is a whole frame, so the next one in order goes on the moment it is here. A packet that is
     still missing while GIVE_UP_AFTER_PACKETS later ones wait is given up on: the ASR hears 20 ms less instead of the
     buffer holding everything behind the gap until it overflows. (aiortc's buffer hands on one frame per packet that
-    arrives, so a backlog never drains: one lost packet left its audio 14 packets, 280 ms, behind for the rest of the
-    call; here it is one packet behind, as every packet used to be.)
+    arrives, so a backlog never drains: one lost packet left the audio behind for the rest of the call;
+    docs/decisions/0029.)
     """
 
     def _remove_frame(self, sequence_number: int) -> JitterFrame | None:
@@ -188,9 +188,9 @@ def hand_packets_on_at_once(receiver: RTCRtpReceiver) -> None:
 
     aiortc's audio receiver holds 4 complete frames in its jitter buffer before it decodes the oldest (prefetch=4),
     which is for a listener: smooth playout, and each frame is complete only once the next packet is here. The session
-    only reads the audio (its ASR takes frames as they come and has no clock to keep), so that was 100 ms of uplink on
-    every turn. aiortc keeps the buffer private (1.16.0, pinned in pyproject.toml); where a later release renames it,
-    the default stays and a warning says so.
+    only reads the audio (its ASR takes frames as they come and has no clock to keep), so the prefetch was only delay
+    on every turn's uplink. aiortc keeps the buffer private (1.16.0, pinned in pyproject.toml); where a later release
+    renames it, the default stays and a warning says so.
     """
     attribute = "_RTCRtpReceiver__jitter_buffer"
     if not isinstance(getattr(receiver, attribute, None), JitterBuffer):

@@ -37,9 +37,9 @@ class StreamResampler:
     """Resamples a stream chunk by chunk with libswresample (PyAV), keeping its filter state between chunks; the
     identity when the rates match.
 
-    It holds back ~1 ms of a stream. soxr's stream (HQ), used before, held 21 ms on average and up to 37 ms from 48 to
-    16 kHz in 20 ms chunks: that much later did the ASR hear the end of a 48 kHz caller's speech (every browser page).
-    libswresample's default filter passes 7 kHz at -0.4 dB and leaves 9 kHz at -62 dB on the way to 16 kHz.
+    It holds back ~1 ms of a stream, so the ASR hears the end of a 48 kHz caller's speech (every browser page) at
+    once; soxr's stream held back tens of ms (docs/decisions/0028). libswresample's default filter passes 7 kHz at
+    -0.4 dB and leaves 9 kHz at -62 dB on the way to 16 kHz.
     """
 
     def __init__(self, in_rate_hz: int, out_rate_hz: int) -> None:

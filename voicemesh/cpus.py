@@ -4,20 +4,14 @@ A turn's urgent work passes the stages one after another (the ASR's final decode
 words, the TTS's first chunk); what overlaps is one session's urgent work with the others' continuations (the LLM
 decoding on, the TTS synthesizing later chunks). So the split gives:
 - the ASR one thread per decode and a decode worker per core (up to 4): tiny.en's greedy decode is step-bound, a
-  second thread does not speed it (a 2.5 s draft: 187 ms on 2 threads, 186 on 1), and coinciding finals each get
-  a core;
+  second thread does not speed it, and coinciding finals each get a core;
 - the LLM every core for the prefill (time to first token, urgent) and half of them for the decode, which only has
   to stay ahead of playout;
 - the TTS half the cores per synthesis, so a later chunk does not fight a decode on all of them; and every core
   for a reply's first chunk, which its listener waits for, while the LLM's decode of that reply steps aside
-  (FIRST_CHUNK_YIELD_MS). Each alone is slower: on 2 cores (`python -m bench.pipeline`, mode c, 8 turns each),
-  TTS first audio p50 was 34 ms with both, 52 with neither, 60 with 2 TTS threads and no yield, 50 with the yield
-  on 1 TTS thread.
+  (FIRST_CHUNK_YIELD_MS); each of the two alone is slower.
 
-Measured on 2 cores (`voicemesh loadtest`, a fresh local mesh per run, 3 turns, two rounds, interleaved), against
-the services' own defaults (LLM decode and TTS at 2 threads each, so 6 threads could be busy on 2 cores):
-- 4 sessions speaking at once: V2V p99 3860 / 2979 ms against 4240 / 3933 ms;
-- 1 session: V2V p50 559 / 489 ms against 662 / 600 ms, TTS first audio p50 84 / 89 ms against 129 / 161 ms.
+The measurements behind this split are in docs/decisions/0014 and 0015.
 
 An explicit setting (a `VOICEMESH_*` variable, or a flag of `voicemesh serve`) wins over the budget.
 
@@ -43,7 +37,7 @@ NICE = range(0, 20)
 MAX_ASR_WORKERS = 4
 FIRST_CHUNK_YIELD_MS = 50
 """How long the LLM's decode of a reply pauses once its first words are out, for the TTS to synthesize them on
-every core: Piper's 2-3 word first chunk takes 28-40 ms on 2 cores of their own."""
+every core: about as long as Piper takes for a 2-3 word first chunk on 2 cores of their own."""
 
 
 def available_cpus() -> int:

@@ -15,12 +15,9 @@ function authHeader() {
   return token ? { Authorization: `Bearer ${token}` } : {};
 }
 // The WebRTC receiver's jitter buffer target: where it starts, and how it grows after a reply whose packets came
-// too late for it (Chromium concealed audio), as the WebSocket buffer grows after an underrun. Measured on 2 cores
-// beside the mesh (`python -m bench.browser --turns 40`, targets side by side, three runs) while the benchmark's
-// own polling still took ~0.15 core: at 0 Chromium kept ~33-46 ms of audio and concealed in 10 of 80 turns (up to
-// 32.5 ms); at 40, ~47-55 ms and 5 of 120 (2.5-22.5 ms); at 80, ~88 ms and 0 of 40, the downlink hop 50 ms longer
-// than at 40. Without that load, at 40: ~49 ms kept and 0 of 78 turns concealed (two runs). So it starts at 40 and
-// steps to 80 once a reply came late. Chromium still raises its buffer on a network that jitters more.
+// too late for it (Chromium concealed audio), as the WebSocket buffer grows after an underrun: small while replies
+// come in time, larger once one came late (docs/decisions/0030). Chromium still raises its buffer on a network that
+// jitters more.
 const RTC_JITTER_TARGET_MS = 40;
 const RTC_JITTER_STEP_MS = 40;
 const RTC_JITTER_MAX_MS = 200;

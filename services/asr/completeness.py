@@ -2,8 +2,8 @@
 end-of-turn model (Smart Turn v3.2). voicemesh/endpointing.py maps the score to a hangover.
 
 The transcript is the default signal: it is there anyway (the final decode starts at the pause) and costs nothing.
-The audio model costs ~140 ms of a core per pause on a 2-core machine and, scored at the first silent window of
-read speech, did not separate finished sentences from mid-sentence pauses (`python -m bench.turns`).
+The audio model costs CPU at every pause and, scored at the first silent window of read speech, did not separate
+finished sentences from mid-sentence pauses (docs/decisions/0005).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class SmartTurn:
 
     def __init__(self, path: Path | None = None, threads: int = 1) -> None:
         options = onnxruntime.SessionOptions()
-        # One thread: the score runs beside Whisper's final decode (2 threads) on a 2-core machine.
+        # One thread: the score runs beside Whisper's final decode, which needs the other cores.
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
@@ -116,11 +116,9 @@ def text_completeness(text: str) -> float | None:
 class Fusion:
     """The weighted mean of the two signals; either alone when the other is missing.
 
-    Text weighs more: on the tuning clips (read speech) the transcript's ending put every finished sentence
-    above 0.7 but also 30% of mid-sentence word boundaries (Whisper puts a full stop after "The child almost
-    hurt"); Smart Turn alone missed most finished read sentences. Weighted 1:3 they called 5 of 9 finished
-    sentences and 8 of 129 inner word boundaries complete (text alone: 9 of 9 and 39 of 129); the checking
-    clips gave 3 of 6 and 1 of 33. `python -m bench.turns` reports each signal apart."""
+    Text weighs more (1:3): the transcript's ending calls every finished sentence complete but also many clause
+    ends (Whisper puts a full stop after "The child almost hurt"), and Smart Turn alone misses most finished read
+    sentences; fused, each vetoes the other's mistakes (docs/decisions/0005)."""
 
     audio_weight: float = 0.25
 

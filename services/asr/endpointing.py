@@ -66,7 +66,7 @@ class Endpointer:
         """Advance one window; returns the events it caused.
 
         `quiet`: the window's energy is far below the speaker's level. Silero's LSTM keeps saying "speech"
-        for 50-200 ms after a voice stops (measured on the test clips); a quiet window ends speech at once.
+        for a while after a voice stops; a quiet window ends speech at once (docs/decisions/0027).
         """
         self.now_ms += self.window_ms
         threshold = self.policy.vad_threshold

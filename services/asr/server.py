@@ -42,20 +42,20 @@ class AsrSettings(config.ServerSettings):
     )
     cpu_threads: int = config.setting(
         1,
-        "CTranslate2 threads per decode. 1: tiny.en's greedy decode is step-bound, not thread-bound (a 2.5 s draft "
-        "takes ~190 ms on 1 thread or 2 of this 2-core AMD EPYC), so the cores serve two decodes at once instead",
+        "CTranslate2 threads per decode. 1: tiny.en's greedy decode is step-bound, not thread-bound, so the cores "
+        "serve two decodes at once instead (docs/decisions/0015)",
     )
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(
         2,
         "decodes run at once; the rest queue (finals before partials). 2 (x 1 thread): a turn's final decode never "
-        "waits for a partial in flight (asr_queue median 140-180 ms -> 0, V2V p50 -230 ms in bench.pipeline)",
+        "waits for a partial in flight (docs/decisions/0021)",
     )
     turn_model: str = config.setting(
         "text",
         "end-of-turn score at each pause: text (the draft transcript's ending; no extra CPU) or smart-turn (the "
-        "Smart Turn v3.2 audio model fused 1:3 with the text; ~140 ms of a core per pause, so give the pod a core "
-        "more). On 2 cores smart-turn cost ~200 ms of V2V for 1 fewer cut-off in 32 (python -m bench.turns)",
+        "Smart Turn v3.2 audio model fused 1:3 with the text; it costs CPU at every pause, so give the pod a core "
+        "more; docs/decisions/0005)",
     )
     turn_model_threads: int = config.setting(
         1, "onnxruntime threads of the end-of-turn model; 1 leaves the other core to Whisper's decode"
@@ -64,8 +64,8 @@ class AsrSettings(config.ServerSettings):
         10,
         "nice value (0-19) of a decoder of its own for partial transcripts (one worker, one thread, ~40 MB more): "
         "partials are captions nobody waits on, so they get only the cores that the turns' own work leaves idle, "
-        "in every process of the box. 0 = partials share the finals' workers, queued behind them. With 4 sessions "
-        "speaking at once on 2 cores, partials at 0 doubled the V2V median (voicemesh loadtest, see the README)",
+        "in every process of the box. 0 = partials share the finals' workers, queued behind them "
+        "(docs/decisions/0021)",
     )
 
 

@@ -17,7 +17,7 @@ from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcri
 
 SAMPLE_RATE_HZ = 16000
 HOP_SAMPLES = 160  # one mel frame = 10 ms
-PADDING_S = 2.0  # under ~2 s the decoder fell into repetition loops on short clips (measured on 8 clips)
+PADDING_S = 2.0  # with less padding the decoder falls into repetition loops (docs/decisions/0001)
 FULL_WINDOW_FRAMES = 3000  # Whisper's 30 s
 
 
@@ -85,7 +85,7 @@ class WhisperTranscriber:
             num_workers=workers,
         )
         # faster-whisper pads every segment to 3000 mel frames before `encode`; CTranslate2 accepts shorter
-        # inputs, and encoding 2-5 s instead of 30 s is what makes the final pass take ~100 ms, not ~600 ms.
+        # inputs, and encoding a few seconds instead of 30 s is what makes the final pass short (docs/decisions/0001).
         # The encoder sees only the frames set for the calling thread (several decode at once).
         self._window = threading.local()
         full_encode = self._model.encode
@@ -183,9 +183,9 @@ def collapse_repetition(words: list[str]) -> list[str]:
 
 
 LOOPED_WORD = 4
-"""One word this many times at the end is Whisper looping, not speech ("no, no, no" is). Seen on an "um" before a
-pause, decoded with a prompt of hesitations: "...the small dog. Umm. Umm. Umm. Umm. Umm. Umm.", a line the LLM
-scored finished (P(turn end) 0.99, where "I would like to order a pizza, um." scored 0.11)."""
+"""One word this many times at the end is Whisper looping, not speech ("no, no, no" is): "...the small dog. Umm.
+Umm. Umm. Umm." reads as a finished line to the LLM's turn-end score, where "...dog. Umm." does not
+(docs/decisions/0012)."""
 
 
 def drop_repeated_tail(words: list[str]) -> list[str]:
@@ -217,11 +217,10 @@ def drop_restart(words: list[str]) -> list[str]:
     missed" -> "...was late."; "The hogs were fed chopped corn and garbage. The h" -> "...garbage.".
 
     The words after the last sentence end are dropped when they repeat the start of the utterance or of its last
-    sentence (the last of them may be a word cut short). Seen in the finals of 6 of 80 finished sentences read by
-    Piper (`bench.turns --spoken`), and at pauses inside others: the restart made the language model call the
-    finished ones unfinished (P(turn end) 0.001-0.11), and they waited the long hangover, ~1.2 s. Restarts of 3+
-    words are `collapse_repetition`'s; a real speaker repeating the first words of what they just said, after a
-    full stop, loses only the repeat."""
+    sentence (the last of them may be a word cut short). Left in, the restart makes the language model call a
+    finished turn unfinished, and it waits the long hangover (docs/decisions/0012). Restarts of 3+ words are
+    `collapse_repetition`'s; a real speaker repeating the first words of what they just said, after a full stop,
+    loses only the repeat."""
     ends = [i for i, word in enumerate(words[:-1]) if word[-1:] in ".?!"]
     if not ends:
         return words
@@ -243,7 +242,7 @@ def clean_tail(words: list[str]) -> list[str]:
     """Drop one dangling word after the last sentence end ("...distant. and"), which Whisper hears in the padding.
 
     At the end of a committed turn a lone unpunctuated word after a full stop is almost always that
-    hallucination (seen on horizon.wav at several cut points); a real trailing word was cut off anyway.
+    hallucination; a real trailing word was cut off anyway.
     """
     if len(words) >= 2 and words[-2][-1:] in ".?!" and words[-1][-1:].isalnum():
         return words[:-1]

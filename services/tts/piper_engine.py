@@ -26,9 +26,8 @@ class PiperEngine:
 
     `urgent_threads` (0: `intra_op_threads`): threads for urgent text (a reply's first chunk, which its listener
     waits for), in a second onnxruntime session of each voice (its weights again: joe-medium is 63 MB);
-    onnxruntime fixes a session's threads when it builds it. On a 2-core box with the LLM stepping aside meanwhile,
-    a 2-word first chunk took 28 ms on 2 threads against 48 ms on 1; later chunks keep `intra_op_threads`, leaving
-    the LLM's decode its share."""
+    onnxruntime fixes a session's threads when it builds it. Later chunks keep `intra_op_threads`, leaving the LLM's
+    decode its share (docs/decisions/0014)."""
 
     def __init__(self, voice_paths: Sequence[Path] = (), intra_op_threads: int = 2, urgent_threads: int = 0) -> None:
         check_threads(intra_op_threads, urgent_threads)

@@ -31,13 +31,12 @@ from voicemesh.workers import WorkerPool
 # The pool serves chunks earliest deadline first (deadlines in ms on time.monotonic). A reply's first chunk is due
 # when its text is ready: its listener is waiting. A later chunk is due before the audio already made for its
 # utterance runs out, less REFILL_MS for its own synthesis: so it goes ahead of newer replies' first chunks only
-# when its listener would otherwise hear a gap. (Later chunks used to wait behind every first chunk: with four
-# sessions speaking at once, a reply's second chunk came up to 0.6 s after its text, and the reply ran dry.)
+# when its listener would otherwise hear a gap (docs/decisions/0019).
 REFILL_MS = 300.0
-# Piper starts most sentences with 35-65 ms of near-silence (six replies measured: 0, 35, 37, 39, 54 and 63 ms
-# below -60 dBFS). In a reply's first chunk that is time the listener waits for sound that is not there, so it is
-# cut, keeping LEAD_IN_KEPT_MS before the first sample above LEAD_IN_LEVEL so the onset itself stays whole. Later
-# chunks keep theirs: there it is the pause between sentences.
+# Piper starts most sentences with a few tens of ms of near-silence. In a reply's first chunk that is time the
+# listener waits for sound that is not there, so it is cut, keeping LEAD_IN_KEPT_MS before the first sample above
+# LEAD_IN_LEVEL so the onset itself stays whole (docs/decisions/0013). Later chunks keep theirs: there it is the
+# pause between sentences.
 LEAD_IN_LEVEL = 10 ** (-60 / 20)
 LEAD_IN_KEPT_MS = 5
 log = logging.getLogger(__name__)
@@ -67,13 +66,13 @@ class TtsSettings(config.ServerSettings):
         "name, and the first is the default. Empty = en_US-joe-medium",
     )
     intra_op_threads: int = config.setting(
-        2, "onnxruntime threads per synthesis; 2 = this machine's cores (Piper's default would take all)"
+        2, "onnxruntime threads per synthesis (Piper's default would take every core)"
     )
     first_chunk_threads: int = config.setting(
         0,
         "onnxruntime threads for a reply's first chunk, which its listener waits for (a second session of each "
         "voice); 0 = intra_op_threads. A local mesh gives it every core, the LLM stepping aside meanwhile "
-        "(VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS): on 2 cores TTS first audio p50 52 -> 34 ms (python -m bench.pipeline)",
+        "(VOICEMESH_LLM_FIRST_CHUNK_YIELD_MS; docs/decisions/0014)",
     )
     max_streams: int = config.setting(64, "concurrent streams; more are refused with RESOURCE_EXHAUSTED (0 = no limit)")
     workers: int = config.setting(1, "syntheses run at once; chunks beyond that queue")
@@ -89,8 +88,8 @@ class TtsSettings(config.ServerSettings):
     )
     trim_lead_in: bool = config.setting(
         True,
-        "a reply's first chunk starts at its first sound (-60 dBFS, less 5 ms) instead of the voice's 35-65 ms of "
-        "near-silence before it; false: as the voice made it",
+        "a reply's first chunk starts at its first sound (-60 dBFS, less 5 ms) instead of the voice's near-silence "
+        "before it; false: as the voice made it",
     )
 
 
