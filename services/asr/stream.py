@@ -200,8 +200,8 @@ class RecognitionStream:
         draft = self._draft
         if draft is not None and draft.done() and not draft.cancelled() and draft.exception() is None:
             if ends_in_filler(draft.result().result.text):
-                # "...the small dog. Um.": the speaker is thinking. Gemma 3 270M scores such lines 0.04-0.34 (19
-                # tried), a 570-1200 ms wait; a hesitation runs longer, and another model may score it higher.
+                # "...the small dog. Um.": the speaker is thinking. The LLM's score may still allow a wait shorter
+                # than a hesitation, and another model may score it higher (docs/decisions/0011).
                 completeness = min(completeness, INCOMPLETE_AT)
         for event in endpointer.score(score.pause_id, completeness, decisive=True):
             self._on_vad(event)
