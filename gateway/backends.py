@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncGenerator, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
+from gateway.streams import Backoff, Silence, replica_failed, unavailable, watched
 from voicemesh import telemetry
 from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.limits import MAX_TOKENS
@@ -26,106 +25,25 @@ from voicemesh.serving import health_check
 from voicemesh.v1 import asr_pb2_grpc, llm_pb2, llm_pb2_grpc, tts_pb2_grpc
 
 log = logging.getLogger(__name__)
-EventT = TypeVar("EventT")
 
-RETRY_ELSEWHERE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
-# A stream that fails with these moves to another replica, and the failed one is suspect until a health check passes.
-FAILOVER_CODES = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-)
 HEALTH_TIMEOUT_S = 1.0
-WATCH_EVERY_S = 0.1  # how often a watched call's liveness is checked while it is quiet
 READY_TIMEOUT_S = 5.0  # a replica not connected by then is marked down and the session tries another
 LLM_FIRST_TOKEN_TIMEOUT_S = 10.0  # a queue of other sessions' replies included; past it, the next replica
 # Tokens come every ~30 ms, and a call waiting for them gets a keepalive every 250 ms: this long with no message at all,
 # before the first token as after it, is a hung replica (SIGSTOP, a wedged event loop).
 LLM_STALL_S = 1.0
-LLM_CALL_DEADLINE_S = 60.0
+LLM_CALL_DEADLINE_S = 60.0  # the longest reply (512 tokens) takes ~15 s on 2 cores
 LLM_PREFILL_DEADLINE_S = 2.0  # a prefill takes tens of ms; one much later is of no use to its turn
-SATURATED_RETRY_S = (
-    0.25,
-    1.0,
-)  # every LLM replica refused as full: the next round after this (doubling)  # the longest reply (512 tokens) takes ~15 s on 2 cores
+SATURATED_RETRY_S = (0.25, 1.0)  # every LLM replica refused as full: the next round after this (doubling)
 
 
-def replica_failed(error: grpc.aio.AioRpcError) -> bool:
-    """The replica died, hung, drained or was full (not a refusal of the request): the work goes elsewhere.
-
-    A stream the server ends while the client is still writing can surface as INTERNAL "Internal error from Core"
-    instead of its status (grpc/grpc#36066); a draining replica's UNAVAILABLE is seen that way now and then."""
-    if error.code() in FAILOVER_CODES:
-        return True
-    return error.code() == grpc.StatusCode.INTERNAL and "Internal error from Core" in (error.details() or "")
-
-
-def stalled(code: grpc.StatusCode, message: str) -> grpc.aio.AioRpcError:
-    """An error the gateway raises itself about a call (no replica, a hung one), handled like the replica's own."""
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
-
-
-def unavailable(message: str) -> grpc.aio.AioRpcError:
-    """The error a session reports when a stage has no replica to call."""
-    return stalled(grpc.StatusCode.UNAVAILABLE, message)
-
-
-class Silence:
-    """Whether a call is hung or slow. A replica sends something at least every 250 ms while it holds a call (an
-    empty keepalive while it waits for a slot or prefills), so one quiet for `quiet_s` is hung (SIGSTOP, a wedged
-    event loop); apart from that, its first content (text, or the end) must come within `first_s`."""
-
-    def __init__(self, stage: str, first_s: float, quiet_s: float) -> None:
-        self.stage = stage
-        self.first_s, self.quiet_s = first_s, quiet_s
-        self.started = self.since = time.monotonic()
-        self.content = False
-
-    def heard(self, content: bool = True) -> None:
-        """A message came; `content`: one of substance (not a keepalive or a score)."""
-        self.since = time.monotonic()
-        self.content = self.content or content
-
-    def problem(self) -> str | None:
-        now = time.monotonic()
-        if now - self.since > self.quiet_s:
-            return f"the {self.stage} replica sent nothing for {now - self.since:.1f} s"
-        if not self.content and now - self.started > self.first_s:
-            return f"the {self.stage} replica sent no content in {now - self.started:.1f} s"
-        return None
-
-
-async def watched(
-    call: AsyncIterable[EventT], problem: Callable[[], str | None], every_s: float = WATCH_EVERY_S
-) -> AsyncIterator[EventT]:
-    """The call's messages, checking `problem` while none comes: when it names one (a replica that stopped
-    answering), DEADLINE_EXCEEDED with it is raised, and the call is cancelled, for the caller to go elsewhere.
-
-    A gRPC call is read with `read()` (no async generator is left mid-read when the call is given up); other
-    iterables (fakes in tests) with `anext`."""
-    read: Callable[[], Awaitable[Any]] | None = getattr(call, "read", None)
-    if read is None:
-        messages = aiter(call)
-        read = functools.partial(anext, messages, grpc.aio.EOF)
-    pending: asyncio.Future[Any] = asyncio.ensure_future(read())
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
-            if not done:
-                if (why := problem()) is not None:
-                    raise stalled(grpc.StatusCode.DEADLINE_EXCEEDED, why)
-                continue
-            message = pending.result()
-            if message is grpc.aio.EOF:
-                return
-            yield message
-            pending = asyncio.ensure_future(read())
-    finally:
-        pending.cancel()
-        cancel = getattr(call, "cancel", None)
-        if cancel is not None:
-            cancel()  # a call given up on is ended at the replica too (no-op once it has ended)
+def continuation(request: llm_pb2.GenerateRequest, said: list[str]) -> llm_pb2.GenerateRequest:
+    """The request that replays a reply on another replica: it continues from the deltas `said` so far."""
+    attempt = llm_pb2.GenerateRequest()
+    attempt.CopyFrom(request)
+    attempt.reply_prefix = "".join(said)
+    attempt.max_tokens = max(1, (request.max_tokens or MAX_TOKENS.default) - len(said))
+    return attempt
 
 
 class Backends:
@@ -150,10 +68,6 @@ class Backends:
         self.health_interval_s = health_interval_s
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._maintenance: asyncio.Task[None] | None = None
-        # The LLM answers score_turn_end (llama.cpp and vLLM do; an engine that cannot, or a vLLM reply whose score
-        # queued behind a full batch, does not): learnt from its replies, so the ASR is told to wait for a score only
-        # when one will come.
-        self.llm_scores_turn_end = True
         # LLM replicas whose engine never prefills (one older than prefills on vLLM, say), as they said: no more
         # Prefills go to them. A new replica (another address) is asked again.
         self.llm_prefill_unsupported: set[str] = set()
@@ -298,7 +212,7 @@ class Backends:
         """
         said: list[str] = []
         started = time.monotonic()
-        wait_s = SATURATED_RETRY_S[0]
+        backoff = Backoff(*SATURATED_RETRY_S)
         failed: set[str] = set()  # replicas that failed this call (not merely full)
         while True:
             last_error: grpc.aio.AioRpcError | None = None
@@ -306,12 +220,7 @@ class Backends:
             ranking = self.llm_order(request.session_id)
             order = [t for t in ranking if t not in failed] or ranking
             for target in order:
-                attempt = request
-                if said:
-                    attempt = llm_pb2.GenerateRequest()
-                    attempt.CopyFrom(request)
-                    attempt.reply_prefix = "".join(said)
-                    attempt.max_tokens = max(1, (request.max_tokens or MAX_TOKENS.default) - len(said))
+                attempt = continuation(request, said) if said else request
                 call = llm_pb2_grpc.GeneratorStub(self.channel(target)).Generate(
                     attempt, metadata=self.metadata(metadata), timeout=LLM_CALL_DEADLINE_S
                 )
@@ -355,10 +264,9 @@ class Backends:
                 continue
             # Every replica is full (one of them down, say, and the rest carrying its sessions): wait for a slot
             # rather than lose the turn, within the first-token limit.
-            if not saturated or time.monotonic() - started + wait_s > first_token_timeout_s:
+            if not saturated or time.monotonic() - started + backoff.delay_s > first_token_timeout_s:
                 raise last_error
-            await asyncio.sleep(wait_s)
-            wait_s = min(wait_s * 2, SATURATED_RETRY_S[1])
+            await backoff.wait()
 
     async def close(self) -> None:
         if self._maintenance is not None:

@@ -9,30 +9,53 @@ be heard, and what user speech over a reply means:
 - words before any of the reply's words were heard: the turn was committed in a pause inside it, so the user's
   speech continues that turn, and the next reply answers the words before and after the pause together.
 
-When the user's turn ends is decided by the ASR (its hangover follows a completeness score of the pause);
-this controller acts on what the ASR reports. `gateway/session.py` carries the commands out over gRPC.
-No I/O, no asyncio: every method takes the time in milliseconds of a monotonic clock.
+When the user's turn ends is decided by the ASR (its hangover follows a completeness score of the pause); this
+controller says which pause each of the LLM's scores belongs to, and acts on what the ASR reports.
+`gateway/session.py` carries the commands out over gRPC. No I/O, no asyncio: every method that depends on time
+takes it in milliseconds of a monotonic clock.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
+from gateway.commands import (
+    CancelReply,
+    Command,
+    CommitReply,
+    ConfirmReply,
+    EndTurn,
+    Interrupt,
+    PausePlayout,
+    Prefill,
+    ResumePlayout,
+    ScorePause,
+    StartReply,
+)
+from gateway.words import DEFAULT_BACKCHANNELS, continue_line, is_backchannel, words_of
 from voicemesh.endpointing import LM_COMPLETE_AT
+from voicemesh.limits import LOOKAHEAD_WORDS
 
-DEFAULT_BACKCHANNELS = frozenset(
-    {
-        "yeah", "yes", "yep", "yup", "ok", "okay", "right", "sure", "alright", "all right", "uh-huh", "mm-hmm", "mhm",
-        "mm", "hmm", "hm", "uh", "um", "ah", "oh", "aha", "huh", "i see", "got it", "i know", "gotcha", "cool",
-        "nice", "wow", "true", "exactly", "of course", "sounds good", "makes sense", "that's right",
-    }
-)  # fmt: skip
-_VOCALIZATION = re.compile(r"[mh]*m[mh]*(?:-[mh]*m[mh]*)*|u+h*m*|u+h+-?h+u+h+|a+h+|o+h+|e+r+m*|e+h+")
-"""A hum or hesitation sound however Whisper spells it ("mm-m-m", "mmhmm", "m", "hmmm", "uhm", "ahh", "erm"): not a
-word, and never an interruption. Whisper writes the same "mm-hmm" a different way from one decode to the next."""
-_ANNOTATION = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")  # Whisper's "[cough]", "(laughs)": not words
-_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
+__all__ = [
+    "DEFAULT_BACKCHANNELS",
+    "CancelReply",
+    "Command",
+    "CommitReply",
+    "ConfirmReply",
+    "EndTurn",
+    "Interrupt",
+    "PausePlayout",
+    "Prefill",
+    "ResumePlayout",
+    "ScorePause",
+    "StartReply",
+    "TurnController",
+    "TurnPolicy",
+    "continue_line",
+    "held_reply_tokens",
+    "is_backchannel",
+    "words_of",
+]
 
 
 @dataclass(frozen=True)
@@ -65,119 +88,31 @@ class TurnPolicy:
     """Words and phrases that, alone, acknowledge the reply rather than interrupt it (lower case)."""
     continue_unheard_turns: bool = True
     """Speech that interrupts a reply none of whose words were heard yet continues the user's turn: the commit came
-    in a pause inside it ("He began a confused complaint against the wizard, | who had vanished..."). Such speech
-    pauses the reply as it starts, not after `barge_in_min_speech_ms`. Off: the words after the pause are a turn
-    of their own, answered without the words before it."""
+    in a pause inside a sentence. Such speech pauses the reply as it starts, not after `barge_in_min_speech_ms`.
+    Off: the words after the pause are a turn of their own, answered without the words before it."""
+    scores_pauses: bool = True
+    """The LLM scores each pause's words and the ASR waits for the score (off: a fixed hangover, nothing scored)."""
+    urgent_words: int = LOOKAHEAD_WORDS.default
+    """Words of a reply its listener waits for before the first audio (PipelineOptions.urgent_words)."""
+    buffer_whole_reply: bool = False
+    """Baseline: the whole reply is written before it is synthesized, so a reply started on a partial is not held."""
 
 
 def held_reply_tokens(urgent_words: int) -> int:
     """The tokens a reply started on a partial writes until a pause has its words: about the words its listener
-    will wait for (Gemma writes a word in 1-2 tokens; one more starts the next word, which completes the TTS's first
-    chunk). The rest would decode on the cores that pause's draft needs: on 2 cores the draft after spk1_snt1 took
-    95 ms instead of 46 while its reply decoded on."""
+    will wait for (a word is 1-2 tokens; one more completes the TTS's first chunk). The rest would decode on the
+    cores the ASR's draft of that pause needs (docs/decisions/0008-start-reply-on-a-partial.md)."""
     return 2 * urgent_words + 2
 
 
-def words_of(text: str) -> list[str]:
-    """The spoken words of a transcript: lower case, no punctuation, no "[cough]"-style annotations."""
-    return _WORD.findall(_ANNOTATION.sub(" ", text.lower()))
+@dataclass
+class _Scoring:
+    """Where the score of a live reply (speculative or current) goes, and the score once it is known."""
 
-
-def continue_line(before: str, after: str) -> str:
-    """One user line from the words before a pause and the words after it. Whisper's full stop before words that go
-    on in lower case marked the pause, not the end of a sentence."""
-    before, after = before.strip(), after.strip()
-    if not after:
-        return before
-    if before.endswith(".") and after[:1].islower():
-        before = before[:-1]
-    return f"{before} {after}" if before else after
-
-
-def is_backchannel(words: list[str], backchannels: frozenset[str]) -> bool:
-    """True when every word, or every adjacent pair ("i see"), is an acknowledgement or a vocalization."""
-    index = 0
-    while index < len(words):
-        if index + 1 < len(words) and f"{words[index]} {words[index + 1]}" in backchannels:
-            index += 2
-        elif words[index] in backchannels or _VOCALIZATION.fullmatch(words[index]):
-            index += 1
-        else:
-            return False
-    return bool(words)
-
-
-# ---- commands ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StartReply:
-    """Generate and synthesize a reply to `user_text`; hold its audio until CommitReply."""
-
-    reply_id: int
-    user_text: str
-    speculative: bool
-    turn_end: float | None = None
-    """The LLM's P(turn end) of these words (case and punctuation aside), from the prefill of a partial that had
-    them: the pause it starts at needs no other score (None: the reply's own prefill scores it)."""
-
-
-@dataclass(frozen=True)
-class Prefill:
-    """Load the dialogue, with `user_text` as the user's words so far, into the LLM's cache: no reply, nobody hears
-    anything; the reply at the end of the turn then evaluates only the words after these. The LLM scores the turn
-    end after them as it goes (`on_prefilled`)."""
-
-    user_text: str
-
-
-@dataclass(frozen=True)
-class CancelReply:
-    """A reply that was never committed: stop its work; it is never heard and never enters the history."""
-
-    reply_id: int
-
-
-@dataclass(frozen=True)
-class CommitReply:
-    """The user's turn is over with `user_text`: it enters the history and the reply may be heard."""
-
-    reply_id: int
-    user_text: str
-
-
-@dataclass(frozen=True)
-class PausePlayout:
-    """Stop sending the reply's audio within a frame but keep it: the speech over it may yet be nothing."""
-
-    reply_id: int
-
-
-@dataclass(frozen=True)
-class ResumePlayout:
-    """Send the paused reply's audio on from where it paused (a false interruption or a backchannel)."""
-
-    reply_id: int
-    reason: str  # "false_interruption" or "backchannel"
-
-
-@dataclass(frozen=True)
-class Interrupt:
-    """The user took the turn: stop the audio within a frame, cancel LLM and TTS; the history keeps what was
-    heard, marked as interrupted."""
-
-    reply_id: int
-    continued: bool = False
-    """None of the reply's words had been heard: the user's speech continues the turn the reply answered, so that
-    turn's words leave the history; the next CommitReply carries them with the words that follow."""
-
-
-@dataclass(frozen=True)
-class EndTurn:
-    """The reply is over (played to its end, or failed): back to listening."""
-
-    reply_id: int
-
-
-Command = StartReply | Prefill | CancelReply | CommitReply | PausePlayout | ResumePlayout | Interrupt | EndTurn
+    pause_id: int  # 0: no pause of the current ASR stream
+    score: float | None
+    on_partial: bool
+    confirmed: bool = False
 
 
 @dataclass
@@ -205,6 +140,8 @@ class TurnController:
     _ids: int = 0
     _prefilled: str = ""  # the words of the user's turn in progress last prefilled
     _prefill_score: tuple[tuple[str, ...], float] | None = None  # (words_of a prefill, the LLM's P(turn end) after)
+    scorer_available: bool = True  # this session's LLM scores turn ends: learnt from its replies
+    _scoring: dict[int, _Scoring] = field(default_factory=dict)  # live replies by id
 
     # ---- ASR events ----------------------------------------------------------------------------------------
     def on_speech_started(self, now_ms: float) -> list[Command]:
@@ -237,10 +174,7 @@ class TurnController:
         partial's words.
 
         The same words: case and punctuation aside (`words_of`). Whisper's partial and its draft of the same speech
-        often differ only there ("the child" / "The child", "And so, my" / "And so my"): 8 of the 25 candidates that
-        missed their prefill's score in bench.turns, each then waiting 50-85 ms for its reply's. The score hardly
-        moves with them ("the horizon seems extremely distant" 0.74, "The horizon..." 0.68; the short wait starts
-        at 0.45); the closing punctuation is never scored at all."""
+        often differ only there, and the score hardly moves with them (docs/decisions/0100-session-parts.md)."""
         if turn_end is None or self.current is not None:
             return []
         self._prefill_score = (tuple(words_of(text)), turn_end)
@@ -250,24 +184,27 @@ class TurnController:
         if text != self._prefilled or turn_end < policy.start_on_partials_at:
             return []
         self.speculative, self.started_on_partial = (self._next_id(), text), True
-        return [StartReply(self.speculative[0], text, speculative=True, turn_end=turn_end)]
+        return self._start(self.speculative[0], text, speculative=True, turn_end=turn_end, on_partial=True)
 
-    def on_candidate(self, now_ms: float, text: str) -> list[Command]:
-        """A silence began and `text` is the transcript so far: start a reply to it, unheard for now."""
+    def on_candidate(self, now_ms: float, text: str, pause_id: int = 0) -> list[Command]:
+        """A silence began and `text` is the transcript so far: start a reply to it, unheard for now. `pause_id`
+        (the ASR's number for the pause; 0: unnumbered) gets the score of the reply that answers these words."""
         commands = self._overlap_words(now_ms, text)
         if self.current is not None or not self.policy.speculative_start or not words_of(text):
-            return commands + self.tick(now_ms)
+            commands += self.tick(now_ms)
+            return self._rescore(pause_id) + commands
         whole = self._whole(text)
         if self.speculative is not None:
             if self._answers(whole):
                 self.started_on_partial = False
-                return commands  # the reply to an earlier candidate (or partial) with these words goes on
-            commands.append(CancelReply(self.speculative[0]))
+                return self._rescore(pause_id) + commands  # the reply to an earlier candidate or partial goes on
+            commands += self._drop_speculative()
         self.speculative, self.started_on_partial = (self._next_id(), whole), False
         known = self._prefill_score
         turn_end = known[1] if known is not None and known[0] == tuple(words_of(whole)) else None
-        commands.append(StartReply(self.speculative[0], whole, speculative=True, turn_end=turn_end))
-        return commands
+        return commands + self._start(
+            self.speculative[0], whole, speculative=True, turn_end=turn_end, pause_id=pause_id
+        )
 
     def on_speech_resumed(self, now_ms: float) -> list[Command]:
         """The user went on talking after a pause: a speculative reply to it is withdrawn."""
@@ -297,14 +234,17 @@ class TurnController:
         else:
             commands += self._drop_speculative()
             reply_id = self._next_id()
-            commands.append(StartReply(reply_id, whole, speculative=False))
+            commands += self._start(reply_id, whole, speculative=False)
         self.current, self._current_text, self._heard, self._continues = reply_id, whole, False, ""
         commands.append(CommitReply(reply_id, whole))
         return commands
 
     def on_asr_restarted(self) -> list[Command]:
         """The ASR stream was replaced (its replica failed) and the new one hears the utterance in progress again:
-        a speculative reply to the old stream's candidate is dropped; the new stream's candidate starts another."""
+        a speculative reply to the old stream's candidate is dropped; the new stream's candidate starts another.
+        The old stream's pause numbers mean nothing to the new one: no score goes to them any more."""
+        for scoring in self._scoring.values():
+            scoring.pause_id = 0
         return self._drop_speculative()
 
     # ---- reply progress ------------------------------------------------------------------------------------
@@ -318,7 +258,30 @@ class TurnController:
         if reply_id != self.current:
             return []
         self.current, self._overlap = None, None
+        self._scoring.pop(reply_id, None)
         return [EndTurn(reply_id)]
+
+    def on_reply_scored(self, reply_id: int, probability: float) -> list[Command]:
+        """The reply's LLM scored the turn end of its words: the score goes to the pause the reply answers now."""
+        self.scorer_available = True
+        scoring = self._scoring.get(reply_id)
+        if scoring is None:
+            return []
+        scoring.score = probability
+        return [ScorePause(scoring.pause_id, probability)] if scoring.pause_id else []
+
+    def on_reply_unscored(self, reply_id: int, scorer_missing: bool) -> list[Command]:
+        """The reply asked for a score and none will come: its pause stops waiting. `scorer_missing`: the LLM
+        answered without one (it cannot score), so this session's pauses are no longer scored by it."""
+        if scorer_missing:
+            self.scorer_available = False
+        scoring = self._scoring.get(reply_id)
+        return [ScorePause(scoring.pause_id, None)] if scoring is not None and scoring.pause_id else []
+
+    @property
+    def asks_for_scores(self) -> bool:
+        """An ASR stream started now is told to wait for the LLM's score of each pause."""
+        return self.policy.scores_pauses and self.policy.speculative_start and self.scorer_available
 
     def on_reply_failed(self, reply_id: int) -> list[Command]:
         """A stage (LLM, TTS) failed mid-reply: the turn ends with what was heard; a speculative one is dropped."""
@@ -399,7 +362,49 @@ class TurnController:
         if continued:
             self._continues = self._current_text
         self.current, self._overlap = None, None
+        self._scoring.pop(reply_id, None)
         return [Interrupt(reply_id, continued)]
+
+    def _start(
+        self,
+        reply_id: int,
+        text: str,
+        speculative: bool,
+        turn_end: float | None = None,
+        pause_id: int = 0,
+        on_partial: bool = False,
+    ) -> list[Command]:
+        """Start a reply; a score a prefill already gave its words goes to its pause at once."""
+        policy = self.policy
+        known = turn_end if self.scorer_available else None
+        held = held_reply_tokens(policy.urgent_words) if on_partial and not policy.buffer_whole_reply else None
+        ask = bool(pause_id) and policy.scores_pauses and known is None
+        self._scoring[reply_id] = _Scoring(pause_id, known, on_partial)
+        commands: list[Command] = [StartReply(reply_id, text, speculative, known, pause_id, ask, on_partial, held)]
+        if known is not None and pause_id:
+            commands.append(ScorePause(pause_id, known))
+        return commands
+
+    def _rescore(self, pause_id: int) -> list[Command]:
+        """A candidate that starts no reply: the speculative reply, if one runs, scores this pause too (its score,
+        or the one still coming); otherwise no score will come. The first pause with the words of a reply started
+        on a partial confirms them."""
+        reply_id = self.speculative[0] if self.speculative is not None else None
+        scoring = self._scoring.get(reply_id) if reply_id is not None else None
+        commands: list[Command] = []
+        if reply_id is not None and scoring is not None and scoring.on_partial and not self.started_on_partial:
+            if not scoring.confirmed:
+                scoring.confirmed = True
+                commands.append(ConfirmReply(reply_id))
+        if not pause_id:
+            return commands  # an ASR that does not number its pauses takes no scores
+        scored = scoring is not None and (scoring.pause_id or scoring.score is not None)
+        if scoring is None or not scored or not self.scorer_available:
+            return [*commands, ScorePause(pause_id, None)]
+        scoring.pause_id = pause_id
+        if scoring.score is not None:
+            commands.append(ScorePause(pause_id, scoring.score))
+        return commands
 
     def _whole(self, text: str) -> str:
         """The user's turn so far: `text`, after the words of the turn it continues, if any."""
@@ -414,6 +419,7 @@ class TurnController:
         if self.speculative is None:
             return []
         reply_id, self.speculative, self.started_on_partial = self.speculative[0], None, False
+        self._scoring.pop(reply_id, None)
         return [CancelReply(reply_id)]
 
     def _next_id(self) -> int:

@@ -96,7 +96,6 @@ class FakeBackends:
         self.tts: list[object] = []
         self.asr_script: asyncio.Queue[asr_pb2.RecognizeEvent | None] = asyncio.Queue()
         self.tts_connected = False
-        self.llm_scores_turn_end = turn_end is not None
         self.prefills: list[llm_pb2.PrefillRequest] = []
         self.prefill_error: grpc.aio.AioRpcError | None = None  # every prefill fails with it
         self.prefill_turn_end: float | None = None  # the P(turn end) a prefill reports of its words; None: none

@@ -11,8 +11,10 @@ import grpc
 import pytest
 
 from gateway import turn
-from gateway.backends import Silence, watched
-from gateway.session import MAX_PENDING_EVENTS, RETAIN_PREROLL_MS, Session, unsynthesized
+from gateway.links import RETAIN_PREROLL_MS, unsynthesized
+from gateway.outbox import MAX_PENDING_EVENTS
+from gateway.session import Session
+from gateway.streams import Silence, watched
 from services.llm.engine import Message
 from services.llm.prompt import CompletionPrompt
 from services.llm.server import to_request, with_keepalives
@@ -162,36 +164,36 @@ def frame(index: int) -> audio_pb2.AudioFrame:
 async def test_the_audio_kept_for_a_replay_is_the_turn_in_progress_or_the_last_second() -> None:
     backends = FakeBackends()
     session = new_session(backends)
-    await until(lambda: session._asr_queue is not None)
+    await until(lambda: session.asr.queue is not None)
     for index in range(200):  # 4 s between turns; the ASR acknowledges it all
         session.push_frame(frame(index))
     backends.say(progress=asr_pb2.Progress(), audio_received_ms=4000, frames_received=200)
-    await until(lambda: session._asr_acked == 200)
-    assert len(session._retained) == 50, "between turns: the last second"
+    await until(lambda: session.asr.acked == 200)
+    assert len(session.asr.retained) == 50, "between turns: the last second"
     backends.say(speech_started=asr_pb2.SpeechStarted(), speech_start_ms=3900, audio_received_ms=4000)
     for index in range(200, 600):  # an 8 s utterance: all of it is kept, and its pre-roll
         session.push_frame(frame(index))
     backends.say(progress=asr_pb2.Progress(), audio_received_ms=12000, frames_received=600)
-    await until(lambda: session._asr_acked == 600)
-    assert len(session._retained) == (12000 - 3900 + RETAIN_PREROLL_MS) // 20
+    await until(lambda: session.asr.acked == 600)
+    assert len(session.asr.retained) == (12000 - 3900 + RETAIN_PREROLL_MS) // 20
     backends.say(final=asr_pb2.Final(text="done"), speech_end_ms=11900, audio_received_ms=12000)
     session.push_frame(frame(600))
-    await until(lambda: len(session._retained) == 4)  # from 50 ms after the speech end: 11960-12020
+    await until(lambda: len(session.asr.retained) == 4)  # from 50 ms after the speech end: 11960-12020
     await session.close()
 
 
 async def test_an_asr_stream_that_stops_acknowledging_is_noticed() -> None:
     backends = FakeBackends()
     session = new_session(backends)
-    await until(lambda: session._asr_queue is not None)
+    await until(lambda: session.asr.queue is not None)
     session.push_frame(frame(0))
     backends.say(progress=asr_pb2.Progress(), frames_received=1)
-    await until(lambda: session._asr_acks)
-    assert session._asr_stalled() is None
+    await until(lambda: session.asr.acks)
+    assert session.asr._stalled() is None
     session.push_frame(frame(1))
-    assert session._asr_waiting_since is not None
-    session._asr_waiting_since -= 2000  # two seconds later, still no acknowledgement
-    assert "acknowledged no audio" in (session._asr_stalled() or "")
+    assert session.asr.waiting_since is not None
+    session.asr.waiting_since -= 2000  # two seconds later, still no acknowledgement
+    assert "acknowledged no audio" in (session.asr._stalled() or "")
     await session.close()
 
 
@@ -223,7 +225,7 @@ async def test_the_history_is_trimmed_to_a_token_budget_by_the_llms_own_count() 
     backends = FakeCountingBackends()
     options = new_session(backends).options
     session = Session(options, backends, [], history_max_tokens=400)  # type: ignore[arg-type]  # a fake's streams
-    await until(lambda: backends.tts_connected and session._asr_queue is not None)
+    await until(lambda: backends.tts_connected and session.asr.queue is not None)
     lengths = []
     for turn_index in range(12):
         backends.say(speech_started=asr_pb2.SpeechStarted())

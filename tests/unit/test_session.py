@@ -218,12 +218,12 @@ async def test_text_sent_to_the_tts_says_how_much_audio_the_listener_has_left_on
         await play(session, FRAMES_PER_WORD)
         reply = session._current
         assert reply is not None
-        more = session._delta(reply, " five")
+        more = session.tts.delta(reply, " five")
         # Three words queued and the lead sent ahead: at least the queue's audio, at most the lead's more.
         queued_ms = 3 * FRAMES_PER_WORD * 20
         assert queued_ms <= more.playout_ahead_ms <= queued_ms + 5 * 20 + 20
         session.playout.pause()
-        assert not session._delta(reply, " six").HasField("playout_ahead_ms"), "paused: no deadline to keep"
+        assert not session.tts.delta(reply, " six").HasField("playout_ahead_ms"), "paused: no deadline to keep"
     finally:
         await session.close()
 
@@ -425,8 +425,7 @@ async def test_a_pause_no_reply_is_started_for_is_declined_at_once() -> None:
 
 async def test_an_llm_that_cannot_score_is_learnt_and_the_asr_stops_waiting() -> None:
     backends = FakeBackends()  # no turn_end in its replies, as vLLM
-    backends.llm_scores_turn_end = True  # not known yet
-    session = new_session(backends)
+    session = new_session(backends)  # not known yet: the session starts out expecting scores
     try:
         await until(lambda: bool(backends.asr))
         assert backends.asr[0].config.turn_scores
@@ -434,7 +433,7 @@ async def test_an_llm_that_cannot_score_is_learnt_and_the_asr_stops_waiting() ->
         backends.say(endpoint_candidate=asr_pb2.EndpointCandidate(text="what time is it", pause_id=1))
         await until(lambda: bool(turn_scores(backends)))
         assert [(s.pause_id, s.declined) for s in turn_scores(backends)] == [(1, True)]
-        assert not backends.llm_scores_turn_end
+        assert not session.turns.scorer_available
     finally:
         await session.close()
 
@@ -475,7 +474,7 @@ async def test_a_clients_report_of_its_own_hops_goes_into_the_stage_histogram_an
     try:
         await play(session, 3 * FRAMES_PER_WORD)
         (metrics,) = [event.metrics for kind, event in drain(session) if kind == "metrics"]
-        reply = session._recent[0]
+        reply = session.recorder.recent[0]
         capture_us, sent_us = metrics.speech_end_capture_us, metrics.first_audio_sent_us
         reply.receipt_us = capture_us + 30_000  # the last speech frame reached the gateway 30 ms after its capture
         before = {stage: total_ms(stage) for stage in ("downlink", "playout", "capture_to_sent", "sent_to_gateway")}

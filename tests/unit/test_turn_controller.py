@@ -5,11 +5,13 @@ from __future__ import annotations
 from gateway.turn import (
     CancelReply,
     CommitReply,
+    ConfirmReply,
     EndTurn,
     Interrupt,
     PausePlayout,
     Prefill,
     ResumePlayout,
+    ScorePause,
     StartReply,
     TurnController,
     TurnPolicy,
@@ -133,12 +135,12 @@ def test_a_partial_the_llm_scores_finished_starts_the_reply_before_the_speech_st
     assert controller.on_prefilled("The horizon seems", 0.05) == []  # unfinished: no reply yet
     controller.on_partial(1600, "The horizon seems extremely distant")
     assert controller.on_prefilled("The horizon seems extremely distant", 0.68) == [
-        StartReply(1, "The horizon seems extremely distant", True, turn_end=0.68)
+        StartReply(1, "The horizon seems extremely distant", True, turn_end=0.68, on_partial=True, held_tokens=6)
     ]
     assert controller.on_partial(1800, "The horizon seems extremely distant.") == []  # the same words: it goes on
     # The speech stops; the ASR's draft has the same words: that reply answers them, none other starts.
     assert controller.on_speech_stopped(1900) == []
-    assert controller.on_candidate(1950, "The horizon seems extremely distant.") == []
+    assert controller.on_candidate(1950, "The horizon seems extremely distant.") == [ConfirmReply(1)]
     assert controller.on_final(2000, "The horizon seems extremely distant.") == [
         CommitReply(1, "The horizon seems extremely distant.")
     ]
@@ -149,7 +151,7 @@ def test_a_reply_started_on_a_partial_is_cancelled_when_the_words_go_on() -> Non
     controller.on_speech_started(0)
     controller.on_partial(800, "The kids want pancakes")
     assert controller.on_prefilled("The kids want pancakes", 0.5) == [
-        StartReply(1, "The kids want pancakes", True, turn_end=0.5)
+        StartReply(1, "The kids want pancakes", True, turn_end=0.5, on_partial=True, held_tokens=6)
     ]
     # The next partial has more words: the reply was to part of the turn. Its words go to the LLM instead.
     assert controller.on_partial(1000, "The kids want pancakes for breakfast but") == [
@@ -160,7 +162,7 @@ def test_a_reply_started_on_a_partial_is_cancelled_when_the_words_go_on() -> Non
     # A candidate with other words than a reply started on a partial replaces it, as any speculative reply.
     controller.on_partial(1400, "The kids want pancakes for breakfast")
     assert controller.on_prefilled("The kids want pancakes for breakfast", 0.6) == [
-        StartReply(2, "The kids want pancakes for breakfast", True, turn_end=0.6)
+        StartReply(2, "The kids want pancakes for breakfast", True, turn_end=0.6, on_partial=True, held_tokens=6)
     ]
     assert controller.on_candidate(1700, "The kids want pancakes for breakfast, but we are out.") == [
         CancelReply(2),
@@ -401,3 +403,105 @@ def test_words_and_backchannels_of_a_transcript() -> None:
     # A session's own list replaces the words, not the hums.
     assert is_backchannel(words_of("Mmm."), frozenset({"yes"}))
     assert not is_backchannel(words_of("Okay."), frozenset({"yes"}))
+
+
+# ---- pause scores, held replies, the session's scorer --------------------------------------------------------------
+def test_a_pause_gets_the_score_of_the_reply_that_answers_it_and_a_later_pause_with_its_words_too() -> None:
+    controller = TurnController()
+    controller.on_speech_started(0)
+    assert controller.on_candidate(900, "what time is it", pause_id=1) == [
+        StartReply(1, "what time is it", True, pause_id=1, score_turn_end=True)
+    ]
+    assert controller.on_reply_scored(1, 0.7) == [ScorePause(1, 0.7)]
+    assert controller.on_candidate(1200, "What time is it?", pause_id=2) == [ScorePause(2, 0.7)]
+
+
+def test_a_score_still_coming_goes_to_the_newest_pause_with_its_words() -> None:
+    controller = TurnController()
+    controller.on_candidate(900, "what time is it", pause_id=1)
+    assert controller.on_candidate(1200, "what time is it", pause_id=2) == [], "its reply's score is on its way"
+    assert controller.on_reply_scored(1, 0.3) == [ScorePause(2, 0.3)]
+
+
+def test_a_pause_whose_words_a_prefill_scored_gets_that_score_at_once() -> None:
+    controller = TurnController(TurnPolicy(start_on_partials=False))
+    controller.on_partial(800, "what time is it")
+    controller.on_prefilled("what time is it", 0.7)
+    assert controller.on_candidate(900, "What time is it?", pause_id=4) == [
+        StartReply(1, "What time is it?", True, turn_end=0.7, pause_id=4, score_turn_end=False),
+        ScorePause(4, 0.7),
+    ]
+
+
+def test_a_pause_no_reply_answers_is_declined_at_once() -> None:
+    controller = TurnController()
+    assert controller.on_candidate(100, "", pause_id=1) == [ScorePause(1, None)]  # no words: no reply
+    controller = TurnController(TurnPolicy(speculative_start=False))
+    assert controller.on_candidate(100, "what time is it", pause_id=1) == [ScorePause(1, None)]
+    controller = replying()
+    controller.on_speech_started(3000)
+    assert controller.on_candidate(3200, "mm-hmm", pause_id=5) == [ScorePause(5, None)]  # over the reply: no turn
+
+
+def test_an_asr_that_does_not_number_its_pauses_gets_no_scores() -> None:
+    controller = TurnController()
+    assert controller.on_candidate(100, "what time is it") == [StartReply(1, "what time is it", True)]
+    assert controller.on_reply_scored(1, 0.8) == []
+    assert controller.on_candidate(200, "") == []
+
+
+def test_a_reply_started_on_a_partial_is_held_to_its_first_words_until_a_pause_confirms_them() -> None:
+    controller = TurnController(TurnPolicy(urgent_words=4))
+    controller.on_partial(800, "what time is it")
+    assert controller.on_prefilled("what time is it", 0.7) == [
+        StartReply(1, "what time is it", True, turn_end=0.7, on_partial=True, held_tokens=10)
+    ]
+    # The first pause with its words confirms them (the rest may be written) and takes the prefill's score.
+    assert controller.on_candidate(1000, "What time is it?", pause_id=3) == [ConfirmReply(1), ScorePause(3, 0.7)]
+    assert controller.on_candidate(1300, "What time is it?", pause_id=4) == [ScorePause(4, 0.7)], "confirmed once"
+
+
+def test_a_reply_started_on_a_partial_is_not_held_when_the_whole_reply_is_written_first() -> None:
+    controller = TurnController(TurnPolicy(buffer_whole_reply=True))
+    controller.on_partial(800, "what time is it")
+    assert controller.on_prefilled("what time is it", 0.7) == [
+        StartReply(1, "what time is it", True, turn_end=0.7, on_partial=True)
+    ]
+
+
+def test_a_session_whose_llm_does_not_score_stops_asking_for_scores_and_learns_again_when_one_comes() -> None:
+    controller, other = TurnController(), TurnController()
+    assert controller.asks_for_scores
+    controller.on_candidate(900, "what time is it", pause_id=1)
+    # The reply's first words came without a score: the pause stops waiting, and so do this session's next ones.
+    assert controller.on_reply_unscored(1, scorer_missing=True) == [ScorePause(1, None)]
+    assert not controller.asks_for_scores
+    assert controller.on_candidate(1200, "what time is it", pause_id=2) == [ScorePause(2, None)]
+    assert other.asks_for_scores, "another session's LLM is another question"
+    # A reply that fails before its score declines its pause, but says nothing of what the LLM can do.
+    other.on_candidate(900, "hello", pause_id=1)
+    assert other.on_reply_unscored(1, scorer_missing=False) == [ScorePause(1, None)]
+    assert other.asks_for_scores
+    assert controller.on_reply_scored(1, 0.6) == [ScorePause(1, 0.6)], (
+        "pause 2 was declined: the score is its own pause's"
+    )
+    assert controller.asks_for_scores
+
+
+def test_with_a_fixed_hangover_nothing_asks_for_a_score() -> None:
+    controller = TurnController(TurnPolicy(scores_pauses=False))
+    assert not controller.asks_for_scores
+    assert controller.on_candidate(100, "what time is it", pause_id=1) == [
+        StartReply(1, "what time is it", True, pause_id=1)
+    ]
+
+
+def test_no_score_goes_to_a_cancelled_reply_s_pause_or_to_a_pause_of_a_replaced_asr_stream() -> None:
+    controller = TurnController()
+    controller.on_candidate(900, "what time", pause_id=1)
+    assert controller.on_speech_resumed(1000) == [CancelReply(1)]
+    assert controller.on_reply_scored(1, 0.9) == []
+    controller.on_candidate(1500, "what time is it", pause_id=2)
+    controller.on_final(1600, "what time is it")
+    assert controller.on_asr_restarted() == []
+    assert controller.on_reply_scored(2, 0.9) == [], "pause 2 was the old stream's"
