@@ -84,6 +84,10 @@ class RecognitionStream:
         self._partial_task: asyncio.Task[None] | None = None
         self._draft: asyncio.Future[Timed[Transcript]] | None = None
         self._draft_offset_ms = 0
+        # Done once the newest committed turn's final is sent (or its decode failed). Decodes run side by side in the
+        # pool and finish in any order; every final waits for the one before it, and every transcript of a turn
+        # (partial, candidate) for the final of the turn before, so events come in the order of the audio.
+        self._final_sent: asyncio.Future[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -233,10 +237,11 @@ class RecognitionStream:
         self._draft = draft
         self._draft_offset_ms = offset_ms
         self._last_partial_ms = self._endpointer.now_ms
-        turn = self.turn_index
+        turn, after = self.turn_index, self._final_sent
 
         async def as_partial() -> None:
             result = await draft
+            await _sent(after)
             overtaken = self._draft is not draft and self.turn_index == turn and self._endpointer.in_turn
             if overtaken and result.result.text and self.config.interim_results:
                 stable = self._stabilizer.update(result.result.text)
@@ -252,9 +257,11 @@ class RecognitionStream:
         turn = self.turn_index
         pause_id = self._endpointer.pause_id
         stamp = self._stamp()
+        after = self._final_sent
 
         async def announce() -> None:
             result = await draft
+            await _sent(after)
             if self._draft is draft and self.turn_index == turn and self._endpointer.candidate:
                 candidate = asr_pb2.EndpointCandidate(
                     text=result.result.text, words=_words(result.result, offset_ms), pause_id=pause_id
@@ -275,18 +282,25 @@ class RecognitionStream:
         self.turn_index += 1
         self._draft = None
         self._stabilizer.reset()
+        after, sent = self._final_sent, asyncio.get_running_loop().create_future()
+        self._final_sent = sent
 
         async def finish() -> None:
-            result = await draft
-            final = asr_pb2.Final(
-                text=result.result.text,
-                words=_words(result.result, offset_ms),
-                language=result.result.language,
-                completeness=completeness,
-                hangover_ms=hangover_ms,
-                score_ms=score_ms,
-            )
-            self._send(asr_pb2.RecognizeEvent(final=final), stamp, result)
+            try:
+                result = await draft
+                await _sent(after)  # the turn before's final first, whichever decode finished first
+                final = asr_pb2.Final(
+                    text=result.result.text,
+                    words=_words(result.result, offset_ms),
+                    language=result.result.language,
+                    completeness=completeness,
+                    hangover_ms=hangover_ms,
+                    score_ms=score_ms,
+                )
+                self._send(asr_pb2.RecognizeEvent(final=final), stamp, result)
+            finally:
+                if not sent.done():
+                    sent.set_result(None)  # a failed decode ends the call; the finals after it are not held forever
 
         self._spawn(finish())
 
@@ -309,10 +323,11 @@ class RecognitionStream:
             transcriber, pool, priority = self._partial_transcriber, self._partial_pool, PARTIAL_PRIORITY
         self._last_partial_ms = ep.now_ms
         audio, _ = self._turn_audio()
-        turn = self.turn_index
+        turn, after = self.turn_index, self._final_sent
 
         async def partial() -> None:
             result = await pool.run(transcriber.transcribe, audio, self._partial_options, priority=priority)
+            await _sent(after)
             text = result.result.text
             if self.turn_index != turn or not text or not self._endpointer.in_turn:
                 return
@@ -438,6 +453,12 @@ class Loudness:
         if gain_db == 0.0:
             return window
         return np.clip(window * np.float32(10 ** (gain_db / 20)), -1.0, 1.0)
+
+
+async def _sent(final: asyncio.Future[None] | None) -> None:
+    """Wait until `final` (an earlier turn's final) is sent; at once when it is. Cancelling the wait leaves it be."""
+    if final is not None and not final.done():
+        await asyncio.wait({final})
 
 
 def _words(transcript: Transcript, offset_ms: int) -> list[asr_pb2.Word]:
