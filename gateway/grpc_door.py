@@ -16,7 +16,7 @@ from gateway.session import ReplyFrame, Session
 from voicemesh import telemetry
 from voicemesh.errors import RequestError, precondition
 from voicemesh.frames import FrameChecker
-from voicemesh.serving import merge_reader, stream_handler
+from voicemesh.serving import merge_reader, refuse, stream_handler
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,9 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
             session.deliver(frame.event(sent_us))
 
         player = session.playout.start(play)
-        cut_off = asyncio.ensure_future(self._cut_off(context, session, downlink, asyncio.current_task()))
+        cut_off = asyncio.ensure_future(
+            self._cut_off(context, request_iterator, session, downlink, asyncio.current_task())
+        )
         try:
             async for event in merge_reader(read(), session.events):
                 if isinstance(event, RequestError):
@@ -81,13 +83,18 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
             log.info("session ended", extra={"session_id": session.options.session_id, "frames": checker.frames})
 
     async def _cut_off(
-        self, context: Context, session: Session, downlink: DownlinkWatch, handler: asyncio.Task[Any] | None
+        self,
+        context: Context,
+        caller: AsyncIterator[conversation_pb2.ConverseRequest],
+        session: Session,
+        downlink: DownlinkWatch,
+        handler: asyncio.Task[Any] | None,
     ) -> None:
         """A client that stopped reading: the call ends with RESOURCE_EXHAUSTED, and its session with it.
 
         The handler is stuck in gRPC's send of the event it yielded, which completes only if the client reads, so
-        the status is sent from here, in a task of its own (the client gets it after what it has not read yet, if it
-        ever reads), and the handler is cancelled: gRPC lets go of the generator, whose `finally` runs as it is
+        the status is sent from here, in a task of its own, at a pause in the client's writing (`refuse`; the client
+        gets it after what it has not read yet, if it ever reads), and the handler is cancelled: gRPC lets go of the generator, whose `finally` runs as it is
         closed. The session is ended here as well, so that its slot and its backend streams are free at once.
         """
         error = await downlink.stalled
@@ -97,7 +104,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
             extra={"rpc": "Converse", "code": error.code.name, "reason": error.message, "session_id": session_id},
         )
         telemetry.ERRORS.labels("Converse", error.code.name).inc()
-        abort = asyncio.ensure_future(context.abort(error.code, error.message))
+        abort = asyncio.ensure_future(refuse(context, error.code, error.message, caller))
         self._aborts.add(abort)
         abort.add_done_callback(self._aborted)
         if handler is not None:
@@ -107,7 +114,7 @@ class ConversationServicer(conversation_pb2_grpc.ConversationServicer):
     def _aborted(self, abort: asyncio.Task[None]) -> None:
         self._aborts.discard(abort)
         if not abort.cancelled():
-            abort.exception()  # AbortError: how context.abort always ends
+            abort.exception()  # AbortError: how a refusal always ends
 
 
 def _address(peer: str) -> str:

@@ -12,7 +12,7 @@ import logging
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
 import threadpoolctl
@@ -73,32 +73,40 @@ class Draining(RequestError):
         super().__init__(grpc.StatusCode.UNAVAILABLE, message)
 
 
-async def _abort(method: str, context: grpc.aio.ServicerContext[Any, Any], error: Exception) -> None:
-    """Answer a handler's failure: RequestError -> its status; anything else -> INTERNAL, logged."""
+async def _abort(
+    method: str, context: grpc.aio.ServicerContext[Any, Any], error: Exception, caller: AsyncIterator[Any] | None = None
+) -> None:
+    """Answer a handler's failure: RequestError -> its status; anything else -> INTERNAL, logged. `caller`: the
+    call's request stream, if the caller streams (the status then waits for a pause in its writing: `refuse`)."""
     if isinstance(error, Draining):  # the server's own doing, not the caller's error: logged, not counted
         log.info("drained", extra={"rpc": method, "reason": error.message})
-        await context.abort(error.code, error.message)
+        await refuse(context, error.code, error.message, caller)
     if isinstance(error, RequestError):
         log.info("request refused", extra={"rpc": method, "code": error.code.name, "reason": error.message})
         telemetry.ERRORS.labels(method, error.code.name).inc()
-        await context.abort(error.code, error.message)
+        await refuse(context, error.code, error.message, caller)
     log.error("call failed", exc_info=error, extra={"rpc": method})
     telemetry.ERRORS.labels(method, "INTERNAL").inc()
-    await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed inside the server; see its logs")
+    await refuse(context, grpc.StatusCode.INTERNAL, f"{method} failed inside the server; see its logs", caller)
 
 
 def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    """Wrap a streaming servicer method: RequestError -> its status; anything else -> INTERNAL, logged."""
+    """Wrap a streaming servicer method: RequestError -> its status; anything else -> INTERNAL, logged. A streamed
+    request reaches the method as a CallerStream, so that a refusal can read the caller's writing to a pause."""
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+        caller = CallerStream(request) if isinstance(request, AsyncIterator) else None
         try:
-            async for item in method(self, request, context):
+            async for item in method(self, request if caller is None else caller, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as error:
-            await _abort(method.__name__, context, error)
+            await _abort(method.__name__, context, error, caller)
+        finally:
+            if caller is not None:
+                caller.close()
 
     return wrapper
 
@@ -119,12 +127,89 @@ def unary_handler(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFUSAL_DRAIN_S = 2.0
-# A drain's refusal comes this long after the caller's last message: past a burst (a config and its first text, a
-# replay of audio), well before a paced caller's next frame (20 ms). Measured on loopback: 2 INTERNAL in 400 for a
-# replay then paced frames, none for the others; refused at once instead, 6-11% saw INTERNAL (grpc/grpc#36066). A
-# client whose loop stalls mid-burst (a loaded machine) can still see INTERNAL.
-REFUSAL_QUIET_S = 0.005
+REFUSAL_DRAIN_S = 2.0  # the longest a refusal reads the caller's messages
+# When a refusal is sent, so that the caller is not writing (grpc/grpc#36066): once it has sent nothing for
+# REFUSAL_QUIET_S (the end of a burst: a replay, a flood), or just after a message when the last three came at least
+# REFUSAL_PACE_S after the one before (a paced caller: its next frame is ~20 ms away). A client whose loop stalls
+# longer than REFUSAL_QUIET_S mid-burst can still see INTERNAL; with 5 ms, one in the same process as the gateway did.
+REFUSAL_QUIET_S = 0.05
+REFUSAL_PACE_S = 0.015  # a burst on a loaded machine had gaps of up to 10 ms
+
+T = TypeVar("T")
+
+
+class CallerStream(Generic[T]):
+    """A streaming call's requests, each read in a task of its own: a reader cancelled mid-read (its call ended for
+    another reason) leaves that read pending instead of losing it, so the stream can still be read to a pause."""
+
+    def __init__(self, requests: AsyncIterator[T]) -> None:
+        self._requests = requests
+        self._next: asyncio.Future[T] | None = None
+        self._readers = 0
+        self._closed = False
+
+    def __aiter__(self) -> CallerStream[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        if self._next is None:
+            self._next = asyncio.ensure_future(self._read())
+            self._next.add_done_callback(_retrieve)
+        self._readers += 1
+        try:
+            request = await asyncio.shield(self._next)
+        finally:
+            self._readers -= 1
+            if self._closed and not self._readers:
+                self._next.cancel()
+        self._next = None
+        return request
+
+    async def _read(self) -> T:
+        return await anext(self._requests)
+
+    def close(self) -> None:
+        """No more reads: the one pending is cancelled once no one waits for it (a refusal may still be reading)."""
+        self._closed = True
+        if self._next is not None and not self._readers:
+            self._next.cancel()
+
+
+def _retrieve(read: asyncio.Future[Any]) -> None:
+    if not read.cancelled():
+        read.exception()  # the call's end, seen by no reader: not an error to log
+
+
+async def until_caller_pauses(requests: AsyncIterator[Any], quiet_s: float, limit_s: float = REFUSAL_DRAIN_S) -> None:
+    """Read and drop the caller's messages until it half-closes, sends nothing for `quiet_s`, writes at a pace (three
+    gaps of REFUSAL_PACE_S in a row: return just after a message), or `limit_s` is over (just after a message): a
+    client still writing when its call ends sees INTERNAL "Internal error from Core" instead of the status
+    (grpc/grpc#36066)."""
+    loop = asyncio.get_running_loop()
+    last_s = loop.time()
+    deadline_s = last_s + limit_s
+    paced = 0  # gaps of REFUSAL_PACE_S or more in a row
+    with contextlib.suppress(Exception):  # whatever ends the reading (an end, a pause, a broken call), the status goes
+        while paced < 3 and last_s < deadline_s:
+            async with asyncio.timeout(min(quiet_s, deadline_s - last_s)):
+                await anext(requests)
+            now_s = loop.time()
+            paced = paced + 1 if now_s - last_s >= REFUSAL_PACE_S else 0
+            last_s = now_s
+
+
+async def refuse(
+    context: grpc.aio.ServicerContext[Any, Any],
+    code: grpc.StatusCode,
+    message: str,
+    caller: AsyncIterator[Any] | None = None,
+    quiet_s: float = REFUSAL_QUIET_S,
+) -> None:
+    """End the call with `code` and `message` (raises AbortError, as context.abort does); a caller that streams its
+    requests is read to a pause first (`until_caller_pauses`), so that it sees the status and not INTERNAL."""
+    if caller is not None:
+        await until_caller_pauses(caller, quiet_s)
+    await context.abort(code, message)
 
 
 def authenticator_for(settings: ServerSettings) -> Authenticator:
@@ -203,18 +288,11 @@ def _refusal(
     `quiet_s`, or just after a message once REFUSAL_DRAIN_S is over: not while it is writing, for a client still
     writing when the call ends sees INTERNAL "Internal error from Core" instead of the status (grpc/grpc#36066)."""
 
-    async def refuse(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+    async def refuse_at_once(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(code, details)
 
     async def drain_then_refuse(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        loop = asyncio.get_running_loop()
-        deadline_s = loop.time() + REFUSAL_DRAIN_S
-        messages = aiter(requests)
-        with contextlib.suppress(TimeoutError, StopAsyncIteration):
-            while loop.time() < deadline_s:
-                async with asyncio.timeout(min(quiet_s, deadline_s - loop.time())):
-                    await anext(messages)
-        await refuse(None, context)
+        await refuse(context, code, details, aiter(requests), quiet_s)
 
     serializers = {
         "request_deserializer": handler.request_deserializer,
@@ -225,8 +303,8 @@ def _refusal(
     if handler.request_streaming:
         return grpc.stream_unary_rpc_method_handler(drain_then_refuse, **serializers)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, **serializers)
-    return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
+        return grpc.unary_stream_rpc_method_handler(refuse_at_once, **serializers)
+    return grpc.unary_unary_rpc_method_handler(refuse_at_once, **serializers)
 
 
 class DrainableCall(Protocol):
