@@ -35,9 +35,15 @@ TALKATIVE = conversation_pb2.SessionConfig(
     system_prompt="A talkative assistant who always answers with three long sentences.",
     options=conversation_pb2.PipelineOptions(max_tokens=120),
 )
-# Long enough to be more than a few frames (the checks want over half a second of reply), short enough to be quick.
-TALKATIVE_SHORT = conversation_pb2.SessionConfig(
-    system_prompt=TALKATIVE.system_prompt, options=conversation_pb2.PipelineOptions(max_tokens=40)
+# Long enough to be more than a few frames (the checks want over half a second of reply), short enough to be quick;
+# one LLM call a turn, asked once the turn has committed: a reply started speculatively (at a pause inside the
+# utterance, or on a partial) and then superseded left the fault on a call nobody waited for, and the frozen replica,
+# failing its health checks by then, was passed over for the real reply without a failover (failovers == 0).
+TALKATIVE_SHORT_AFTER_COMMIT = conversation_pb2.SessionConfig(
+    system_prompt=TALKATIVE.system_prompt,
+    options=conversation_pb2.PipelineOptions(
+        max_tokens=40, speculative_start=False, start_on_partials=False, prefill_partials=False
+    ),
 )
 # Without a speculative start: a short speculative reply may be synthesized whole before its turn commits, and then
 # its audio is released all at once, with no moment "speaking and still synthesizing" left to strike at.
@@ -176,10 +182,13 @@ async def test_an_llm_replica_hung_before_its_first_token_is_left_at_once(
     until the talk ends: the failover is for its silence, not for the first-token limit (10 s)."""
     with caplog.at_level(logging.INFO, logger="gateway.backends"):
         outcome = await converse_through_a_fault(
-            replicas, "llm", sigstop(replicas), asked, "spk1_snt1", TALKATIVE_SHORT
+            replicas, "llm", sigstop(replicas), asked, "spk1_snt1", TALKATIVE_SHORT_AFTER_COMMIT
         )
+    assert outcome.failovers >= 1, (
+        f"the fault missed: {outcome.victim} was stopped once the reply was asked, yet no LLM call failed over "
+        f"(replies: {[t.reply_text for t in outcome.turns]})"
+    )
     check_the_turn_completed_whole(outcome, "spk1_snt1")
-    assert outcome.failovers >= 1
     why = [getattr(r, "detail", "") for r in caplog.records if r.getMessage() == "llm replica failed; trying the next"]
     quiet_s = [float(m[1]) for m in (re.search(r"sent nothing for ([\d.]+) s", d) for d in why) if m]
     assert why and len(quiet_s) == len(why) and max(quiet_s) < LLM_FIRST_TOKEN_TIMEOUT_S / 2, why
