@@ -56,12 +56,19 @@ def synthesized_clip(name: str) -> Clip:
 @functools.cache
 def spoken(text: str, rate_hz: int = 16000) -> Clip:
     """`text` read by Piper (en_US-joe-medium) at `rate_hz`, with 300 ms of silence around it: the same samples
-    every time, for a scenario that must not depend on a take."""
-    from services.tts.piper_engine import PiperEngine
+    every time, in every process, for a scenario that must not depend on a take.
 
-    engine = PiperEngine(intra_op_threads=2)
-    voice = engine.capabilities.voices[0]
-    audio = resample(np.concatenate(list(engine.synthesize(text))), voice.sample_rate_hz, rate_hz)
+    Piper's VITS model samples noise for the voice's timbre (`noise_scale`) and for each phoneme's length
+    (`noise_w_scale`), so two readings of one text differ (53,760 and 54,784 samples for the same question). Both
+    are 0 here: the model is then a pure function of the text, and the reading is identical, sample for sample."""
+    from piper import SynthesisConfig
+
+    from services.tts.piper_engine import _load, default_voice_path
+
+    voice = _load(default_voice_path(), intra_op_threads=2)
+    noiseless = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0)
+    chunks = [chunk.audio_float_array for chunk in voice.synthesize(text, noiseless)]
+    audio = resample(np.concatenate(chunks), voice.config.sample_rate, rate_hz)
     silence = np.zeros(rate_hz * 3 // 10, dtype=np.float32)
     return Clip(np.concatenate([silence, audio, silence]), rate_hz)
 

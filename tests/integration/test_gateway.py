@@ -12,10 +12,11 @@ import pytest
 import pytest_asyncio
 
 from gateway.server import GatewaySettings, build_server
+from harness.clips import spoken
 from tests.conftest import free_port, load_clip
 from tests.integration.helpers import expect_error, requests, start_gateway, start_offline_gateway
 from voicemesh import clients
-from voicemesh.audio import Clip, pcm16_to_float
+from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float
 from voicemesh.clients import pcm_frame
 from voicemesh.conversation import (
     AfterFirstAudio,
@@ -99,30 +100,32 @@ async def test_two_turns_share_history_and_the_prefix_cache(gateway) -> None:
 
 
 async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gateway) -> None:
+    """The user talks over a long reply (wizard.wav, 0.5 s after the reply's first audio reached the client).
+
+    One take, with fixed inputs: the question is Piper's noiseless reading (`harness.clips.spoken`: the same samples
+    in every run), checked once to be heard as asked, and wizard.wav is a recording. The interruption is mixed into
+    the frames not yet sent at a fixed offset from the reply's first audio (`AfterFirstAudio`), not at a time guessed
+    from the start, so it lands on the reply however late the reply starts. A failure here is the pipeline's."""
     # A question answered at length: spk1_snt1's one-line answer could end before the barge-in is heard (it did
     # once in a full suite: no Interrupted at all).
     config = conversation_pb2.SessionConfig(
         system_prompt="A talkative assistant who always answers with three long sentences.",
         options=conversation_pb2.PipelineOptions(max_tokens=120),
     )
-    misheard: list[str] = []
-    for _ in range(3):
-        question = await speech_of(services, "Can you tell me a long story about a dragon?", ("story", "dragon"))
-        turns, _, events = await talk(
-            target(gateway),
-            question,
-            config,
-            trailing_silence_s=5.0,
-            inject=[(AfterFirstAudio(0.5), load_clip("wizard"))],  # the user talks over the reply, 0.5 s into it
-        )
-        # The premise: the question was heard as asked. A take the live stream mishears ("Can you? Tell me along."
-        # in one full suite, though the take's own transcript had "story" and "dragon") gets a four-word answer
-        # that is over before the user speaks; that says nothing about barge-in, so the scenario runs again.
-        if any(word in t.user_text.lower() for t in turns for word in ("story", "dragon")):
-            break
-        misheard.append(" | ".join(t.user_text for t in turns))
-    else:
-        raise AssertionError(f"the question was misheard in three takes: {misheard}")
+    question = await speech_of(services, QUESTION, QUESTION_WORDS)
+    turns, _, events = await talk(
+        target(gateway),
+        question,
+        config,
+        trailing_silence_s=5.0,
+        inject=[(AfterFirstAudio(0.5), load_clip("wizard"))],  # the user talks over the reply, 0.5 s into it
+    )
+    # The premise: the question was heard as asked. A mishearing ("Can you? Tell me along.") gets a four-word answer
+    # that is over before the user speaks, and the barge-in below would not be tested.
+    heard_question = [t.user_text for t in turns]
+    assert any(word in text.lower() for text in heard_question for word in QUESTION_WORDS), (
+        f"the question was misheard: {heard_question}"
+    )
     interrupted = [i for i, e in enumerate(events) if isinstance(e, Interrupted)]
     replies = "".join(e.text_delta for e in events if isinstance(e, ReplyText))
     told = story(events)
@@ -177,54 +180,49 @@ def story(events: list) -> list[str]:
     return lines
 
 
-async def speech_of(services: dict[str, str], text: str, heard_as: tuple[str, ...] = ()) -> Clip:
-    """`text` spoken by the project's own TTS at 16 kHz (no human backchannel recording is shipped).
+# The question both the barge-in and the backchannel test ask: the embedded model answers it at length (54-102
+# characters however the ASR writes it, ~4-6 s of speech), so the reply is still playing when the user speaks.
+QUESTION = "Can you tell me a long story about a dragon?"
+QUESTION_WORDS = ("story", "dragon")
 
-    Piper's voice is random (its noise), and now and then the ASR mishears a take ("Can you? Tell me along. Sorry
-    about a dragon?"), which the model then answers in four words. With `heard_as`, a take is kept only once the ASR
-    hears every one of those words in it (up to 6 takes). The clip starts with 0.3 s of silence, as a speaker's
-    does: the TTS trims its reply to the first sound, and with no silence before "Can you" the ASR heard "tell me
-    along, story" in 8 of 12 takes (5 of 12 with it)."""
-    for _ in range(6):
-        pcm = bytearray(int(0.3 * 16000) * 2)
-        async for _, event in clients.synthesize(services["tts"], [text], rate_hz=16000):
-            if event.WhichOneof("event") == "audio":
-                pcm += event.audio.frame.data
-        if not heard_as:
-            break
-        heard = re.findall(r"[a-z]+", (await transcribe(services, bytes(pcm))).lower())
-        if all(word in heard for word in heard_as):
-            break
-    else:
-        raise AssertionError(f"the ASR never heard {heard_as} in the TTS's {text!r}; last take: {heard!r}")
-    return Clip(pcm16_to_float(bytes(pcm)), 16000)
+
+async def speech_of(services: dict[str, str], text: str, heard_as: tuple[str, ...] = ()) -> Clip:
+    """`text` read by Piper with its noise at 0 (`harness.clips.spoken`: the same samples in every run and every
+    process; no human backchannel recording is shipped), and the ASR service hears each of `heard_as` in it.
+
+    The clip starts with 0.3 s of silence, as a speaker's does: with no silence before "Can you" the ASR heard
+    "tell me along, story" in 8 of 12 of Piper's noisy readings. A reading the ASR mishears would fail every run
+    alike, and says so here rather than as a missing interruption."""
+    clip = spoken(text)
+    heard = re.findall(r"[a-z]+", (await transcribe(services, float_to_pcm16(clip.samples))).lower())
+    assert all(word in heard for word in heard_as), f"the ASR does not hear {heard_as} in Piper's {text!r}: {heard}"
+    return clip
 
 
 async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -> None:
-    # A question the embedded model answers at length (54-102 characters however the ASR writes it, ~4-6 s of
-    # speech): a one-line answer such as spk1_snt1's could end before the backchannel does.
+    """The user says "Yeah." over a long reply, 0.3 s after the reply's first audio reached the client.
+
+    One take, with fixed inputs: the question and the "Yeah." are Piper's noiseless readings
+    (`harness.clips.spoken`: the same samples in every run), the question checked once to be heard as asked. The
+    "Yeah." is mixed into the frames not yet sent at a fixed offset from the reply's first audio (`AfterFirstAudio`),
+    however late the reply starts (a loaded box once started it 1.22 s after the question) and however short it
+    is. A failure here is the pipeline's."""
     yeah = await speech_of(services, "Yeah.")
     config = conversation_pb2.SessionConfig(
         system_prompt="A talkative assistant who always answers with three long sentences.",
         options=conversation_pb2.PipelineOptions(max_tokens=120),
     )
-    # "Yeah" 0.3 s into the reply, however late it starts and however short it is (a loaded box once started the
-    # reply 1.22 s after the question).
     into_reply_s = 0.3
-    misheard: list[str] = []
-    for _ in range(3):
-        question = await speech_of(services, "Can you tell me a long story about a dragon?", ("story", "dragon"))
-        turns, _, events = await talk(
-            target(gateway), question, config, trailing_silence_s=9.0, inject=[(AfterFirstAudio(into_reply_s), yeah)]
-        )
-        # The premise, as in the barge-in test: the question was heard as asked. A take the live stream mishears
-        # ("Can you? Tell me along.", committed in the take's pause: twice in full suites) gets a two-word answer
-        # that is over before the "yeah" is, which then is a turn of its own; the scenario runs again.
-        if turns and any(word in turns[0].user_text.lower() for word in ("story", "dragon")):
-            break
-        misheard.append(" | ".join(t.user_text for t in turns))
-    else:
-        raise AssertionError(f"the question was misheard in three takes: {misheard}")
+    question = await speech_of(services, QUESTION, QUESTION_WORDS)
+    turns, _, events = await talk(
+        target(gateway), question, config, trailing_silence_s=9.0, inject=[(AfterFirstAudio(into_reply_s), yeah)]
+    )
+    # The premise, as in the barge-in test: the question was heard as asked. A mishearing ("Can you? Tell me
+    # along.") gets a two-word answer that is over before the "yeah" is, which then is a turn of its own.
+    heard_question = [t.user_text for t in turns]
+    assert turns and any(word in turns[0].user_text.lower() for word in QUESTION_WORDS), (
+        f"the question was misheard: {heard_question}"
+    )
     interrupted = [e for e in events if isinstance(e, Interrupted)]
     heard = [t.user_text for t in turns]
     assert not interrupted, f"a backchannel does not stop the reply: {interrupted}; the user's turns: {heard}"
