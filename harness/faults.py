@@ -24,14 +24,18 @@ import logging
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+import weakref
+from collections.abc import AsyncIterable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
+from gateway.links import AsrLink, TtsLink
 from gateway.server import GatewayServer, GatewaySettings, build_server
 from gateway.session import Session
+from gateway.streams import ReconnectingStream
 from voicemesh.audio import Clip
 from voicemesh.clients import epoch_us
 from voicemesh.conversation import Event, ReplyAudio, ReplyDone, SessionError, TalkTurn, talk
@@ -81,6 +85,8 @@ class FaultReport:
     reply_gap_ms: list[float] = field(default_factory=list)  # the longest silence inside each reply the fault hit
     v2v_ms: dict[str, dict[str, float | int]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    struck: str = ""  # the call the fault struck ("session 3f2a... generating on llm-b")
+    missed: str = ""  # why the fault struck no call at its moment (it then struck the busiest replica): untested
     lost: list[dict[str, Any]] = field(default_factory=list)  # each conversation that lost a turn: what it heard
 
     @property
@@ -181,8 +187,48 @@ def speaking(session: Session) -> bool:
 MOMENTS = {"asr": mid_utterance, "llm": generating, "tts": speaking}  # when a fault of each stage hurts most
 
 
+# The replica each of the gateway's ASR and TTS streams is on (`tracking_streams`); the gateway keeps it in a local.
+_STREAM_TARGETS: weakref.WeakKeyDictionary[ReconnectingStream[Any, Any], str] = weakref.WeakKeyDictionary()
+
+
+Method = Callable[[ReconnectingStream[Any, Any], str], Callable[..., AsyncIterable[Any]]]
+
+
+@contextlib.contextmanager
+def tracking_streams() -> Iterator[None]:
+    """While inside, note the replica each session's ASR and TTS stream connects to (`held_by` reads it)."""
+
+    def tracked(original: Method) -> Method:
+        def _method(self: ReconnectingStream[Any, Any], target: str) -> Callable[..., AsyncIterable[Any]]:
+            _STREAM_TARGETS[self] = target
+            return original(self, target)
+
+        return _method
+
+    with contextlib.ExitStack() as stack:
+        for link in (AsrLink, TtsLink):
+            stack.enter_context(mock.patch.object(link, "_method", tracked(link.__dict__["_method"])))
+        yield
+
+
+def held_by(server: GatewayServer, session: Session, stage: str) -> str | None:
+    """The replica of `stage` holding `session`'s call now, where it is known: its live ASR or TTS stream's (under
+    `tracking_streams`), or the LLM replica its replies go to first while every LLM replica is up."""
+    backends = server.registry.backends if server.registry is not None else None
+    assert backends is not None
+    if stage == "llm":
+        order = backends.llm_order(session.options.session_id)
+        return order[0] if len(order) == len(backends.sets["llm"].replicas) else None
+    link = session.asr if stage == "asr" else session.tts
+    target = _STREAM_TARGETS.get(link)
+    return target if target is not None and link.queue is not None else None
+
+
 def replica_of(server: GatewayServer, session: Session, stage: str) -> str:
-    """The replica of `stage` serving `session` now."""
+    """The replica of `stage` serving `session` now (with one session talking, the one with a call in flight)."""
+    held = held_by(server, session, stage)
+    if held is not None:
+        return held
     backends = server.registry.backends if server.registry is not None else None
     assert backends is not None
     if stage == "llm":
@@ -190,19 +236,32 @@ def replica_of(server: GatewayServer, session: Session, stage: str) -> str:
     return next(t for t, load in backends.sets[stage].replicas.items() if load.in_flight)
 
 
-async def strike_when(server: GatewayServer, stage: str, mesh: Mesh, timeout_s: float = 20.0) -> str:
-    """Wait until a session is where a fault of `stage` hurts most; return the name of its replica (or, past
-    `timeout_s`, of the busiest one)."""
+async def strike_when(server: GatewayServer, stage: str, mesh: Mesh, timeout_s: float = 20.0) -> tuple[str, str, str]:
+    """Wait until a session is where a fault of `stage` hurts most, on a replica known to hold its call; return
+    (the replica's name, the call struck, ""), to be struck at once (no await in between). Past `timeout_s`: (the
+    busiest replica's name, "", why no call was struck), for a benchmark to report and a test to fail on."""
     registry = server.registry
     assert registry is not None
+    moment = MOMENTS[stage]
+    names = {process.target: name for name, process in mesh.processes.items()}
     deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
     while time.monotonic() < deadline:
         for session in list(registry.active.values()):
-            if MOMENTS[stage](session):
-                target = replica_of(server, session, stage)
-                return next(name for name, process in mesh.processes.items() if process.target == target)
+            if not moment(session):
+                continue
+            target = held_by(server, session, stage)
+            if target is None:
+                seen.append(f"{session.options.session_id} {moment.__name__} on an unknown {stage} replica")
+                continue
+            return names[target], f"session {session.options.session_id} {moment.__name__} on {names[target]}", ""
         await asyncio.sleep(0.002)
-    return victim_of(server, stage, mesh)
+    victim = victim_of(server, stage, mesh)
+    why = (
+        f"no session was {moment.__name__} on a known {stage} replica within {timeout_s:g} s, so {victim} (the "
+        f"busiest) was struck at no particular call; {len(registry.active)} session(s) active; seen: {seen[-3:]}"
+    )
+    return victim, "", why
 
 
 def victim_of(server: GatewayServer, stage: str, mesh: Mesh) -> str:
@@ -250,20 +309,21 @@ async def run_fault(
     conversations = [Conversation(index, utterances) for index in range(sessions)]
     first_turn_s = clips[0].duration_s + GAP_S
     try:
-        with watching_sessions(server, conversations):
+        with watching_sessions(server, conversations), tracking_streams():
             talks = [
                 asyncio.ensure_future(converse(target, c, script(clips, utterances, c.index), c.index * 0.7))
                 for c in conversations
             ]
             await asyncio.sleep(first_turn_s)
-            victim = await strike_when(server, stage, mesh)
-            fault_us = epoch_us()
-            log.info("fault", extra={"stage": stage, "kind": kind, "victim": victim})
+            victim, struck, missed = await strike_when(server, stage, mesh)
+            fault_us = epoch_us()  # the strike follows at once: `inject` signals before its first await
+            log.info("fault", extra={"stage": stage, "kind": kind, "victim": victim, "struck": struck})
             await inject(mesh, victim, kind)
             await asyncio.gather(*talks)
     finally:
         await server.stop()
-    return account(FaultReport(stage, kind, victim, sessions), conversations, fault_us)
+    report = FaultReport(stage, kind, victim, sessions, struck=struck, missed=missed)
+    return account(report, conversations, fault_us)
 
 
 def account(report: FaultReport, conversations: list[Conversation], fault_us: int) -> FaultReport:

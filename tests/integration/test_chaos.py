@@ -14,8 +14,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize(("stage", "kind"), QUICK_FAULTS)
 async def test_conversations_lose_nothing_when_a_replica_fails(replicas: Mesh, stage: str, kind: str) -> None:
+    """The fault strikes the replica holding a session's call at the moment it hurts most (mid-utterance for the
+    ASR, mid-generation for the LLM, mid-speech for the TTS), or the test fails saying so: a fault that struck a
+    replica with no call on it would pass without testing anything."""
     clips = [load_clip(name) for name in DEFAULT_CLIPS]
     report = await run_fault(replicas, stage, kind, clips, sessions=2, utterances=2)
+    assert not report.missed, f"the fault missed: {report.missed}"
+    assert report.struck, report
     assert report.turns_attempted == 4
     assert not report.errors, report.errors
     assert report.turns_lost == 0, report.lost
