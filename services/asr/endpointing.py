@@ -7,7 +7,16 @@ import enum
 
 from voicemesh.endpointing import EndpointingPolicy
 
-__all__ = ["Endpointer", "EndpointingPolicy", "Event"]
+__all__ = ["TAIL_GAP_MS", "TAIL_MIN_SPEECH_MS", "Endpointer", "EndpointingPolicy", "Event"]
+
+TAIL_GAP_MS = 256
+"""Speech that starts this soon after the last speech of a committed turn may be that turn's last sound: the "s" of
+"lights" came 128 ms after its vowel, once a language model's score had committed "turn off the kitchen light" in
+the 64 ms wait, and lasted 160 ms (issue 40)."""
+TAIL_MIN_SPEECH_MS = 256
+"""Such speech opens a new turn only once it has lasted this long (else `min_speech_ms`). Opened on the tail, the
+turn's decode heard a word ("states"), and the words over a reply none of which was heard continued the committed
+turn: the reply was dropped unheard and the user's line got a fragment."""
 
 
 class Event(enum.Enum):
@@ -42,6 +51,7 @@ class Endpointer:
         self.now_ms = 0
         self.speech_start_ms = 0
         self.speech_end_ms = 0
+        self._committed_end_ms: int | None = None  # the last speech of the turn committed last
         self.pause_id = 0  # counts pauses; a completeness score names the pause it belongs to
         self.completeness: float | None = None  # of the open pause, once scored
         self.decisive = False  # the score is a language model's: it may shorten the wait
@@ -94,7 +104,7 @@ class Endpointer:
     def _speech(self) -> list[Event]:
         self._speech_run_ms += self.window_ms
         if not self.in_turn:
-            if self._speech_run_ms >= self.policy.min_speech_ms:
+            if self._speech_run_ms >= self._min_speech_to_open():
                 self.in_turn = True
                 self._silence_ms = 0
                 self.speech_start_ms = self.now_ms - self._speech_run_ms
@@ -114,6 +124,13 @@ class Endpointer:
         self.speech_end_ms = self.now_ms
         self.candidate = False
         return [Event.SPEECH_RESUMED]
+
+    def _min_speech_to_open(self) -> int:
+        """The speech that opens a turn now: more right after a committed turn, whose tail it may be."""
+        committed, started_ms = self._committed_end_ms, self.now_ms - self._speech_run_ms
+        if committed is not None and started_ms - committed < TAIL_GAP_MS:
+            return max(self.policy.min_speech_ms, TAIL_MIN_SPEECH_MS)
+        return self.policy.min_speech_ms
 
     def _silence(self) -> list[Event]:
         self._speech_run_ms = 0
@@ -139,6 +156,8 @@ class Endpointer:
 
     def end_turn(self) -> None:
         """The stream committed the turn itself (too long, or the input ended)."""
+        if self.in_turn:
+            self._committed_end_ms = self.speech_end_ms
         self.in_turn = False
         self.candidate = False
         self._silence_ms = 0

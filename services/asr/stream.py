@@ -88,6 +88,7 @@ class RecognitionStream:
         # pool and finish in any order; every final waits for the one before it, and every transcript of a turn
         # (partial, candidate) for the final of the turn before, so events come in the order of the audio.
         self._final_sent: asyncio.Future[None] | None = None
+        self._committed_end_ms = 0  # the end of the last committed turn's speech: no later turn's audio starts before
         self._tasks: set[asyncio.Task[None]] = set()
 
     @property
@@ -216,8 +217,11 @@ class RecognitionStream:
 
     # ---- decodes ---------------------------------------------------------------------------------------
     def _turn_audio(self) -> tuple[np.ndarray, int]:
-        """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds."""
-        start = max(self._audio_start, (self._endpointer.speech_start_ms - PREROLL_MS) * SAMPLE_RATE_HZ // 1000)
+        """The turn's audio (with pre-roll) and its offset in the stream, in milliseconds. The pre-roll never reaches
+        back into the turn before: speech that goes on soon after a commit would have its decode hear the committed
+        words' end again, and a turn that continues the one before would repeat them (issue 40)."""
+        from_ms = max(self._endpointer.speech_start_ms - PREROLL_MS, self._committed_end_ms)
+        start = max(self._audio_start, from_ms * SAMPLE_RATE_HZ // 1000)
         return self._audio[start - self._audio_start :].copy(), start * 1000 // SAMPLE_RATE_HZ
 
     def _start_draft(self) -> None:
@@ -280,6 +284,7 @@ class RecognitionStream:
         hangover_ms, score_ms = ep.hangover_ms, self._score_ms.pop(ep.pause_id, 0.0)
         self._score_ms.clear()
         self.turn_index += 1
+        self._committed_end_ms = ep.speech_end_ms
         self._draft = None
         self._stabilizer.reset()
         after, sent = self._final_sent, asyncio.get_running_loop().create_future()
