@@ -5,6 +5,7 @@ chromium driven by playwright, a WAV as its microphone, the page read through it
 from __future__ import annotations
 
 import asyncio
+import base64
 import ctypes
 import fcntl
 import importlib.util
@@ -163,3 +164,68 @@ class PageDriver:
                     + "\n".join(self.console[-20:])
                 )
             await asyncio.sleep(0.1)
+
+
+# A microphone the test plays into, instead of chromium's fake device (a WAV on a loop, from when the page opened
+# it): `getUserMedia` returns a Web Audio stream that is silent until `window.voicemesh_mic.play(name)`, or
+# `playWhen(name, expression, delayMs)`, which plays the clip `delayMs` after `expression` (JavaScript over `s`,
+# the page state) first holds, polled every 5 ms in the page. A clip is fed once, at a moment the page's own state
+# defines: a scenario with one take. The processing a real microphone gets (echo cancellation, noise suppression,
+# gain control) does not apply to such a stream: the clip reaches the page as it is.
+SCRIPTED_MIC = """
+(() => {
+  const clips = {};
+  const mic = { ready: false, played: [] };
+  let micCtx = null;
+  let micOut = null;
+  navigator.mediaDevices.getUserMedia = async () => {
+    micCtx = new AudioContext({ sampleRate: FED_RATE_HZ });
+    await micCtx.resume();
+    micOut = micCtx.createMediaStreamDestination();
+    // A source that never ends, at 1 LSB: between clips the track goes on carrying (near) silence, as a device's
+    // does. With no source playing, the WebRTC track sent nothing after the question, and the turn never ended.
+    const floor = micCtx.createConstantSource();
+    floor.offset.value = 1 / 32768;
+    floor.connect(micOut);
+    floor.start();
+    mic.ready = true;
+    return micOut.stream;
+  };
+  mic.load = (name, base64) => {
+    const bytes = Uint8Array.from(atob(base64), (c) => c.charCodeAt(0));
+    const pcm = new Int16Array(bytes.buffer);
+    clips[name] = Float32Array.from(pcm, (v) => v / 32768);
+  };
+  mic.play = (name) => {
+    const samples = clips[name];
+    const buffer = micCtx.createBuffer(1, samples.length, FED_RATE_HZ);
+    buffer.copyToChannel(samples, 0);
+    const source = micCtx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(micOut);
+    source.start();
+    mic.played.push({ name, at_ms: Date.now() });
+  };
+  mic.playWhen = (name, expression, delayMs) => {
+    const holds = new Function("s", `return Boolean(${expression});`);
+    const poll = setInterval(() => {
+      const s = window.voicemesh && window.voicemesh.state;
+      if (!s || !holds(s)) return;
+      clearInterval(poll);
+      setTimeout(() => mic.play(name), delayMs);
+    }, 5);
+  };
+  window.voicemesh_mic = mic;
+})();
+""".replace("FED_RATE_HZ", str(FED_RATE_HZ))
+
+
+async def load_into_mic(page: Any, name: str, clip: Clip) -> None:
+    """Hand `clip` (its speech, without the quiet either side) to the page's SCRIPTED_MIC as `name`."""
+    samples = trimmed(clip).to_rate(FED_RATE_HZ).samples
+    window = FED_RATE_HZ // 50
+    start = 0
+    while start + window < len(samples) and np.sqrt(np.mean(samples[start : start + window] ** 2)) < SPEECH_RMS:
+        start += window
+    data = base64.b64encode(float_to_pcm16(samples[start:])).decode("ascii")
+    await page.evaluate("([name, data]) => window.voicemesh_mic.load(name, data)", [name, data])

@@ -11,6 +11,7 @@ import asyncio
 import pytest
 
 from gateway.server import GatewaySettings, build_server
+from harness.browser import SCRIPTED_MIC, load_into_mic
 from tests.conftest import free_port, load_clip
 from tests.e2e.conftest import page_talking
 from voicemesh import telemetry
@@ -127,13 +128,27 @@ async def test_a_conversation_that_loses_webrtc_goes_on_over_websocket_with_its_
 
 @pytest.mark.parametrize("transport", ["webrtc", "websocket"])
 async def test_barge_in_from_the_page_stops_the_reply(playwright, web_gateway, transport) -> None:
-    # Two questions with short pauses, on a loop: the user talks again while a reply plays. The pauses are shorter
-    # than the replies with room to spare: with 1.5 s the next question began ~1.2 s into a 1.8 s reply, its words
-    # were known about when the reply ended, and every turn of a run could miss alike (the replies are the same).
-    microphone = [0.5, load_clip("spk1_snt1"), 1.0, load_clip("wizard"), 1.0]
+    """The user asks (spk1_snt1) and talks over the reply (wizard.wav) 0.3 s after the page first hears it.
+
+    One take, with fixed inputs: both are recordings, fed once each through a scripted microphone
+    (`harness.browser.SCRIPTED_MIC`) instead of chromium's fake device, which loops its WAV from when the page
+    opens it, so that the speech met the reply at a wall-clock guess and a run waited for whichever loop happened to
+    land on a reply. The page plays the question once the session listens, and the interruption a fixed 0.3 s after
+    the reply is first heard (the page's state, polled in the page every 5 ms), however late the reply starts: the
+    reply is ~1.8 s long, so the interruption is heard well inside it. A failure here is the pipeline's."""
     barged = "s.interrupts.some((i) => i.stopped_ms && s.turns[i.turn] && s.turns[i.turn].played_ms)"
-    async with page_talking(playwright, web_gateway, microphone, f"?transport={transport}") as page:
+    heard = "Object.values(s.turns).some((t) => t.played_ms > 0)"
+    async with page_talking(
+        playwright, web_gateway, [1.0], f"?transport={transport}", init_script=SCRIPTED_MIC
+    ) as page:
+        await load_into_mic(page.page, "question", load_clip("spk1_snt1"))
+        await load_into_mic(page.page, "interruption", load_clip("wizard"))
+        await page.page.evaluate(f"window.voicemesh_mic.playWhen('interruption', {heard!r}, 300)")
+        await page.wait_until("s.status === 'listening'", TURN_TIMEOUT_S)
+        await page.page.evaluate("window.voicemesh_mic.play('question')")
         state = await page.wait_until(barged, 2 * TURN_TIMEOUT_S)
+        played = await page.page.evaluate("window.voicemesh_mic.played")
+    assert [p["name"] for p in played] == ["question", "interruption"], played
     assert state["transport"] == transport
     interrupt = next(
         i for i in state["interrupts"] if i["stopped_ms"] and state["turns"][str(i["turn"])].get("played_ms")
