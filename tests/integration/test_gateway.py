@@ -113,12 +113,20 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gat
         options=conversation_pb2.PipelineOptions(max_tokens=120),
     )
     question = await speech_of(services, QUESTION, QUESTION_WORDS)
+    # `talk` mixes the interruption into the frames not sent yet, the stream lengthened to hold it and 5 s of silence
+    # after it (for its own turn) however late the reply starts; the silence after the question only has to outlast
+    # the reply's start. (With 5 s and no more, a reply that started late found the stream over, and the test said
+    # only that nothing was interrupted.)
+    trailing_s = 14.0
+    wizard = load_clip("wizard")
+    then_quiet = Clip(np.zeros(int((wizard.duration_s + 5.0) * 16000), np.float32), 16000)
     turns, _, events = await talk(
         target(gateway),
         question,
         config,
-        trailing_silence_s=5.0,
-        inject=[(AfterFirstAudio(0.5), load_clip("wizard"))],  # the user talks over the reply, 0.5 s into it
+        trailing_silence_s=trailing_s,
+        # the user talks over the reply, 0.5 s into it, then is quiet
+        inject=[(AfterFirstAudio(0.5), wizard), (AfterFirstAudio(0.5), then_quiet)],
     )
     # The premise: the question was heard as asked. A mishearing ("Can you? Tell me along.") gets a four-word answer
     # that is over before the user speaks, and the barge-in below would not be tested.
@@ -126,6 +134,9 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gat
     assert any(word in text.lower() for text in heard_question for word in QUESTION_WORDS), (
         f"the question was misheard: {heard_question}"
     )
+    # ... and the reply started while the stream was still being sent, so the interruption went out with it.
+    started_s = (turns[0].first_audio_received_us - turns[0].speech_end_sent_us) / 1e6
+    assert started_s < trailing_s - 1.0, f"the reply began {started_s:.1f} s after the question, past the stream"
     interrupted = [i for i, e in enumerate(events) if isinstance(e, Interrupted)]
     replies = "".join(e.text_delta for e in events if isinstance(e, ReplyText))
     told = story(events)
