@@ -117,7 +117,7 @@ async def test_barge_in_stops_the_reply_and_keeps_only_spoken_text(services, gat
     # after it (for its own turn) however late the reply starts; the silence after the question only has to outlast
     # the reply's start. (With 5 s and no more, a reply that started late found the stream over, and the test said
     # only that nothing was interrupted.)
-    trailing_s = 14.0
+    trailing_s = 15.0
     wizard = load_clip("wizard")
     then_quiet = Clip(np.zeros(int((wizard.duration_s + 5.0) * 16000), np.float32), 16000)
     turns, _, events = await talk(
@@ -225,8 +225,15 @@ async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -
     )
     into_reply_s = 0.3
     question = await speech_of(services, QUESTION, QUESTION_WORDS)
+    # The stream goes on 5 s past the "Yeah." however late the reply starts, as in the barge-in test.
+    trailing_s = 15.0
+    then_quiet = Clip(np.zeros(int((yeah.duration_s + 5.0) * 16000), np.float32), 16000)
     turns, _, events = await talk(
-        target(gateway), question, config, trailing_silence_s=9.0, inject=[(AfterFirstAudio(into_reply_s), yeah)]
+        target(gateway),
+        question,
+        config,
+        trailing_silence_s=trailing_s,
+        inject=[(AfterFirstAudio(into_reply_s), yeah), (AfterFirstAudio(into_reply_s), then_quiet)],
     )
     # The premise, as in the barge-in test: the question was heard as asked. A mishearing ("Can you? Tell me
     # along.") gets a two-word answer that is over before the "yeah" is, which then is a turn of its own.
@@ -234,6 +241,10 @@ async def test_a_backchannel_over_the_reply_lets_it_play_on(services, gateway) -
     assert turns and any(word in turns[0].user_text.lower() for word in QUESTION_WORDS), (
         f"the question was misheard: {heard_question}"
     )
+    # ... and the reply started while the stream was still being sent, so the "Yeah." went out over it (a "Yeah."
+    # never sent would interrupt nothing, and the test would pass on nothing).
+    started_s = (turns[0].first_audio_received_us - turns[0].speech_end_sent_us) / 1e6
+    assert started_s < trailing_s - 1.0, f"the reply began {started_s:.1f} s after the question, past the stream"
     interrupted = [e for e in events if isinstance(e, Interrupted)]
     heard = [t.user_text for t in turns]
     assert not interrupted, f"a backchannel does not stop the reply: {interrupted}; the user's turns: {heard}"
