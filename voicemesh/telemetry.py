@@ -74,6 +74,12 @@ TURN_SCORES = Counter(
     "End-of-turn completeness scores by outcome (in_time, late: the fixed hangover had applied, failed)",
     ["outcome"],
 )
+TURN_SCORES_VETOED = Counter(
+    "voicemesh_turn_scores_vetoed_total",
+    "Language-model turn-end scores the ASR overruled with the long wait, by why it doubted the transcript "
+    "(ends_in_filler, fillers_only, low_confidence, no_speech, one_unsure_word, no_words)",
+    ["reason"],
+)
 TURN_END_SCORES = Counter(
     "voicemesh_turn_end_scores_total",
     "The LLM's turn-end scores the gateway handed to the ASR, by source (prefill: a partial with the endpoint "

@@ -19,6 +19,8 @@ import numpy as np
 import onnxruntime
 from faster_whisper.feature_extractor import FeatureExtractor
 
+from services.asr.engine import Transcript
+
 SAMPLE_RATE_HZ = 16000
 SMART_TURN_FILE = "smart-turn-v3.2-cpu.onnx"
 SMART_TURN_PACKAGE = "pipecat-ai"
@@ -39,10 +41,29 @@ FILLER_WORDS = frozenset({"um", "umm", "uhm", "uh", "uhh", "er", "erm", "ehm"})
 the hums ("mm", "hmm"), which are whole answers too ("Mm-hmm.")."""
 
 
-def ends_in_filler(text: str) -> bool:
-    """The transcript's last word is a filled pause: the turn is not over, whatever the words before it say."""
-    words = _WORD.findall(text.lower())
-    return bool(words) and words[-1] in FILLER_WORDS
+LOW_CONFIDENCE_LOGPROB = -1.0
+"""Whisper's own threshold (its `log_prob_threshold`): a decode whose tokens average below it is not to be trusted."""
+NO_SPEECH = 0.6
+"""Whisper's own `no_speech_threshold`: above it the decoder itself thinks the audio held no speech."""
+
+
+def doubted(transcript: Transcript) -> str | None:
+    """Why a draft transcript cannot be taken for a finished sentence, whatever a language model makes of its words
+    (None: nothing against it). A garbled, empty or filler-only line must never take the short wait."""
+    words = _WORD.findall(transcript.text.lower())
+    if not words:
+        return "no_words"
+    if all(word in FILLER_WORDS for word in words):  # a hum ("Mm-hmm.") is a whole answer, a filler is not
+        return "fillers_only"
+    if words[-1] in FILLER_WORDS:
+        return "ends_in_filler"
+    if transcript.avg_logprob and transcript.avg_logprob < LOW_CONFIDENCE_LOGPROB:
+        return "low_confidence"
+    if transcript.no_speech_prob > NO_SPEECH:
+        return "no_speech"
+    if len(words) == 1 and transcript.words and transcript.words[-1].probability < 0.5:
+        return "one_unsure_word"
+    return None
 
 
 def smart_turn_path() -> Path:

@@ -26,6 +26,10 @@ class Transcript:
     compute_ms: float = 0.0
     done_us: int = 0  # wall clock when the decode finished, epoch microseconds
     language: str = ""  # the language decoded: the one asked for, or the one the engine detected
+    avg_logprob: float = 0.0
+    """The decoder's mean log-probability per token (Whisper's own confidence; 0.0: not known)."""
+    no_speech_prob: float = 0.0
+    """The decoder's probability that the audio held no speech."""
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from collections.abc import Callable, Coroutine
 
 import numpy as np
 
-from services.asr.completeness import TurnScorer, ends_in_filler
+from services.asr.completeness import TurnScorer, doubted
 from services.asr.endpointing import Endpointer, EndpointingPolicy, Event
 from services.asr.engine import DecodeOptions, Transcriber, Transcript
 from services.asr.stabilizer import LocalAgreement
@@ -204,9 +204,11 @@ class RecognitionStream:
         completeness = lm_completeness(score.probability)
         draft = self._draft
         if draft is not None and draft.done() and not draft.cancelled() and draft.exception() is None:
-            if ends_in_filler(draft.result().result.text):
-                # "...the small dog. Um.": the speaker is thinking. The LLM's score may still allow a wait shorter
-                # than a hesitation, and another model may score it higher (docs/decisions/0011).
+            # The ASR's own doubt vetoes a finished-sounding score: a line ending in a filler (the speaker is
+            # thinking), only fillers, a garbled decode or no speech at all never takes the short wait.
+            reason = doubted(draft.result().result)
+            if reason is not None:
+                telemetry.TURN_SCORES_VETOED.labels(reason).inc()
                 completeness = min(completeness, INCOMPLETE_AT)
         for event in endpointer.score(score.pause_id, completeness, decisive=True):
             self._on_vad(event)

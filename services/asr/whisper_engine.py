@@ -146,12 +146,15 @@ class WhisperTranscriber:
             text = " ".join(w.text for w in words)
         else:
             text = " ".join(tidy(" ".join(s.text for s in segments).split()))
+        tokens = sum(len(s.tokens) for s in segments)
         return Transcript(
             text=text,
             words=words,
             compute_ms=(time.monotonic_ns() - started) / 1e6,
             done_us=time.time_ns() // 1000,
             language=str(info.language),
+            avg_logprob=sum(s.avg_logprob * len(s.tokens) for s in segments) / tokens if tokens else 0.0,
+            no_speech_prob=max((s.no_speech_prob for s in segments), default=0.0),
         )
 
 
