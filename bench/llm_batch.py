@@ -36,7 +36,8 @@ from llama_cpp import Llama
 
 from services.llm.engine import GenerationRequest, Message
 from services.llm.llama_batch_engine import LlamaBatchEngine
-from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+from services.llm.llama_common import default_model_path
+from services.llm.llama_cpp_engine import LlamaCppEngine
 from services.llm.prompt import CompletionPrompt
 
 QUESTIONS = (

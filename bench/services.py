@@ -53,7 +53,8 @@ def bench_asr(repeats: int = 7) -> dict[str, object]:
 
 
 async def bench_llm(repeats: int = 5) -> dict[str, object]:
-    from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+    from services.llm.llama_common import default_model_path
+    from services.llm.llama_cpp_engine import LlamaCppEngine
 
     engine = LlamaCppEngine(default_model_path(), n_threads=2)
     await engine.start()

@@ -1,4 +1,4 @@
-"""Sentences for scoring end of turn on text alone, word by word (`python -m bench.turns --text`).
+"""Sentences for scoring end of turn on text alone, word by word (`python -m bench.turn_text`).
 
 TUNE and CHECK: everyday requests of the kind people say to a voice assistant, written for this bench (not
 transcripts of ../shared/audio). Many have a clause end inside ("..., so", "... but"), where a pause is most often

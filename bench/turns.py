@@ -14,8 +14,9 @@ VOICEMESH_ASR_*/VOICEMESH_LLM_* settings in the environment. The `llm` policy pl
 its TurnController: partial transcripts are prefilled into the real Gemma engine while the user speaks; each
 endpoint candidate starts a speculative reply, and its P(turn end) goes back to the stream as a TurnScore, at once
 when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
-on speaking, competing for the cores as it would live. Not in the default run: `llm_no_prefill` (no prefills) and
-`llm_reply_scores` (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
+on speaking, competing for the cores as it would live. `llm_line_end` is the same with the LLM's `line_end` scorer
+(the score before the learned probe). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
+(prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
 Reported per policy: the false cut-off rate (a turn committed before the utterance's speech ended) on pauses up
@@ -27,23 +28,18 @@ read by Piper instead of the clips: each whole, and cut ~60% in. One synthetic v
 heard while tuning (the thresholds saw the `tune` half's text): where the clips are four speakers, it shows how the
 policy spreads.
 
-`python -m bench.turns --text` (bench/turn_text.py) scores text alone, word by word through the sentences of
-bench/turn_sentences.py (40 written for it, a tune and a check half; 40 read-speech Harvard sentences), with the LLM
-service's engine: how long the finished ones wait, and how many points inside a sentence would commit within a 400
-or 600 ms pause; and, for candidate calibrations of the model's score (TurnEndCalibration), the same over all
-sentences: the trade to choose another model's turn_end_complete_at and turn_end_incomplete_at from.
+Text alone, word by word and on held-out dialogue, is `python -m bench.turn_text`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import hashlib
-import json
 import os
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -90,6 +86,7 @@ class Policy(NamedTuple):
     prefill: bool = True  # with llm: the partials' words prefilled while the user speaks, as the gateway does
     prefill_scores: bool = True  # with prefill: a candidate whose words a prefill scored takes that score at once
     start_on_partials: bool = True  # with prefill: a partial whose prefill scores finished starts the reply at once
+    scorer: str = ""  # with llm: the LLM's turn-end scorer (turn_end_scorer); empty: the configured one
 
 
 POLICIES = {
@@ -97,6 +94,7 @@ POLICIES = {
     "text": Policy(EndpointingPolicy(), False, False),
     "audio_text": Policy(EndpointingPolicy(), True, False),
     "llm": Policy(EndpointingPolicy(), False, True),
+    "llm_line_end": Policy(EndpointingPolicy(), False, True, scorer="line_end"),  # the score before the probe
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
@@ -602,12 +600,12 @@ async def measure(
     assert asr.transcriber is not None
     transcriber = asr.transcriber
     scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
-    engine: Engine | None = None
     llm_settings = config.build(LlmSettings, "llm", env=env)
-    if any(POLICIES[p].llm for p in policies):
-        engine = build_engine(llm_settings)  # as the LLM service builds it
+    llms: dict[str, LlmScorer] = {}
+    for scorer_name in {POLICIES[p].scorer or llm_settings.turn_end_scorer for p in policies if POLICIES[p].llm}:
+        engine = build_engine(dataclasses.replace(llm_settings, turn_end_scorer=scorer_name))  # as the service does
         await engine.start()
-    llm = LlmScorer(engine, llm_settings.calibration()) if engine is not None else None
+        llms[scorer_name] = LlmScorer(engine, engine.turn_end_calibration)
     built = spoken_set(transcriber, spoken) if spoken else build_set(transcriber, clip_names)
     utterances = [u for u in built if kinds is None or u.kind in kinds]
     results: dict[str, object] = {"utterances": len(utterances)}
@@ -616,7 +614,8 @@ async def measure(
         for name in policies:
             policy = POLICIES[name]
             scorer = scorers[policy.audio]
-            outcome = await run_one(utterance, policy, asr, scorer, llm if policy.llm else None)
+            llm = llms[policy.scorer or llm_settings.turn_end_scorer] if policy.llm else None
+            outcome = await run_one(utterance, policy, asr, scorer, llm)
             per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():
         results[name] = summarize(outcomes)
@@ -641,8 +640,8 @@ async def measure(
     }
     for scorer in scorers.values():
         scorer.close()
-    if engine is not None:
-        await engine.close()
+    for llm in llms.values():
+        await llm.engine.close()
     return results
 
 
@@ -665,17 +664,10 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"of {','.join(POLICIES)}")
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
-    parser.add_argument("--text", action="store_true", help="only the LLM's score on text, word by word (no audio)")
     parser.add_argument(
         "--spoken", default="", help="instead of the clips: bench/turn_sentences.py read by Piper (tune,check,read)"
     )
     args = parser.parse_args()
-    if args.text:  # its own module: it needs only the LLM's engine (it runs in a vLLM-only venv too)
-        from bench.turn_text import text_scores
-
-        json.dump(asyncio.run(text_scores()), sys.stdout, indent=2)
-        print()
-        return
     kinds = set(args.kinds.split(",")) if args.kinds else None
     spoken = [s for s in args.spoken.split(",") if s]
     if unknown := set(spoken) - {"tune", "check", "read"}:

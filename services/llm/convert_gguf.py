@@ -14,6 +14,8 @@ import shutil
 import time
 from pathlib import Path
 
+from services.llm.turn_probe import model_identity
+
 log = logging.getLogger(__name__)
 
 CONVERTED_NAME = "gemma-3-270m-hf"
@@ -41,7 +43,7 @@ def default_gguf_path() -> Path:
     """The packaged GGUF: assembled by the llama.cpp engine's helper where its package is installed (the service
     venv), else the copy that helper left in the cache."""
     try:
-        from services.llm.llama_cpp_engine import default_model_path
+        from services.llm.llama_common import default_model_path
 
         return default_model_path()
     except ImportError as exc:
@@ -91,10 +93,38 @@ def convert(gguf_path: Path, target: Path, dtype: str = "bfloat16") -> Path:
     if reloaded("Hello").input_ids[:1] != [reloaded.bos_token_id]:
         raise SystemExit(f"the converted tokenizer in {partial} does not add BOS; the model would produce junk")
 
-    (partial / DONE_MARKER).write_text(json.dumps({"source": str(gguf_path), "dtype": dtype}) + "\n")
+    identity = model_identity(gguf_metadata(gguf_path), int(model.config.hidden_size))
+    (partial / DONE_MARKER).write_text(
+        json.dumps({"source": str(gguf_path), "dtype": dtype, "model_id": identity}) + "\n"
+    )
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     return target
+
+
+def gguf_metadata(path: Path) -> dict[str, str]:
+    """A GGUF's string and integer metadata (what names the model), read without loading its tensors."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    metadata = {}
+    for name, value in reader.fields.items():
+        if value.types and value.types[0] in (gguf.GGUFValueType.STRING, gguf.GGUFValueType.UINT32):
+            part = value.parts[value.data[0]]
+            metadata[name] = (
+                bytes(part).decode("utf-8", "replace")
+                if value.types[0] == gguf.GGUFValueType.STRING
+                else str(int(part[0]))
+            )
+    return metadata
+
+
+def converted_model_id(model_dir: Path) -> str | None:
+    """The identity of the model a directory was converted from (`model_identity`), if the conversion recorded it."""
+    try:
+        return str(json.loads((model_dir / DONE_MARKER).read_text())["model_id"])
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _edit_json(path: Path, set_: dict[str, object], drop: tuple[str, ...] = ()) -> None:

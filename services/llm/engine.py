@@ -6,6 +6,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from voicemesh.endpointing import TurnEndCalibration
 from voicemesh.limits import MAX_TOKENS, URGENT_WORDS
 
 
@@ -100,6 +101,10 @@ class Engine(Protocol):
     @property
     def waiting(self) -> int:
         """Requests waiting for a slot now."""
+
+    @property
+    def turn_end_calibration(self) -> TurnEndCalibration:
+        """Where its turn-end scores mean finished and unfinished (its scorer's own, or the replica's setting)."""
 
     async def close(self) -> None:
         """Release the model."""

@@ -22,19 +22,18 @@ from llama_cpp import Llama
 from llama_cpp._utils import suppress_stdout_stderr
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
-from services.llm.llama_cpp_engine import (
+from services.llm.llama_common import (
     CLOSE_WAIT_S,
-    MIN_AHEAD_S,
     PREFILL_STEP_TOKENS,
+    LlamaEngineBase,
     Playout,
-    check_first_chunk_yield,
     common_prefix,
-    end_tokens,
     past_urgent,
     split_at_turn_end,
-    turn_end_probability,
+    token_piece,
 )
 from services.llm.prompt import CompletionPrompt
+from services.llm.turn_end import TurnEndChoice
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +107,7 @@ class SavedSequence:
     data: bytes
 
 
-class LlamaBatchEngine:
+class LlamaBatchEngine(LlamaEngineBase):
     """llama.cpp, several replies decoded in one batch: up to `max_batch` sequences in one KV cache, one decode call
     per step carrying every prompt chunk and every reply's next token; more calls wait in line.
 
@@ -134,29 +133,18 @@ class LlamaBatchEngine:
         continuation_due_s: float = CONTINUATION_DUE_S,
         max_ahead_s: float = 0.0,
         first_chunk_yield_s: float = 0.0,
+        turn_end: TurnEndChoice | None = None,
     ) -> None:
         if continuation_due_s <= 0:
             raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")
-        if max_ahead_s and max_ahead_s < MIN_AHEAD_S:
-            raise ValueError(
-                f"max_ahead_s={max_ahead_s:g} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
-            )
-        check_first_chunk_yield(first_chunk_yield_s)
         if not 1 <= max_batch <= 64:
             raise ValueError(f"max_batch={max_batch} out of range; use 1-64")
-        self.model_path = model_path
-        self.model_name = model_path.stem
-        self.n_threads = n_threads
-        self.n_threads_batch = n_threads_batch
-        self.max_batch = max_batch
-        self.n_ctx = n_ctx  # per sequence
-        self.prompt = prompt or CompletionPrompt()
+        super().__init__(
+            model_path, n_threads, n_threads_batch, n_ctx, prompt, max_ahead_s, first_chunk_yield_s, turn_end
+        )
+        self.max_batch = max_batch  # n_ctx is per sequence
         self.prioritize = prioritize
         self.continuation_due_s = continuation_due_s
-        self.max_ahead_s = max_ahead_s
-        # Once a reply's urgent words are out, it sits out the steps of this long: the TTS synthesizing them shares
-        # the cores (other replies' steps go on).
-        self.first_chunk_yield_s = first_chunk_yield_s
         self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True, prefills=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
@@ -165,7 +153,6 @@ class LlamaBatchEngine:
         self._context: llama_cpp.llama_context_p | None = None
         self._batch: llama_cpp.llama_batch | None = None
         self._vocab_size = 0
-        self._end_tokens = np.zeros(0, dtype=np.int64)
         self._head: list[int] = []
         self._head_seq = max_batch  # the sequence holding the prompt's fixed head, copied into new sessions'
         self._residents = [_Resident() for _ in range(max_batch)]
@@ -204,7 +191,7 @@ class LlamaBatchEngine:
         self._llama, self._context = model, context
         self._batch = llama_cpp.llama_batch_init(N_BATCH, 0, 1)
         self._vocab_size = model.n_vocab()
-        self._end_tokens = end_tokens(model)
+        self._bind_turn_end(model)
         # Warm-up: the first decode allocates compute buffers, and the head every prompt starts with is evaluated once.
         self._head = self._tokenize(self.prompt.render([Message("user", "Hello.")]))
         for first in range(0, len(self._head), N_BATCH):
@@ -288,7 +275,7 @@ class LlamaBatchEngine:
         if len(prompt) > self.n_ctx - 8:
             raise ValueError(f"prompt has {len(prompt)} tokens; at most {self.n_ctx - 8} fit")
         # Its last token is the user's last word: the logits there score the turn end, as a reply's would.
-        word = len(prompt) - 1 if len(self._end_tokens) else None
+        word = len(prompt) - 1 if self._scorer is not None else None
         reply = _Reply(
             GenerationRequest(session_id, messages), prompt, word, (), asyncio.get_running_loop(), asyncio.Queue()
         )
@@ -481,8 +468,9 @@ class LlamaBatchEngine:
         self.steps += 1
         for reply, first_row, count in taken:
             if reply.word is not None and reply.position <= reply.word < reply.position + count:
+                assert self._scorer is not None  # a reply is given a word to score only then
                 row = self._logits(first_row + reply.word - reply.position)
-                probability = turn_end_probability(row, self._end_tokens)
+                probability = self._scorer.probability(row)
                 reply.put(
                     GenerationChunk(turn_end=probability, score_ms=(time.monotonic_ns() - reply.admitted_ns) / 1e6)
                 )
@@ -545,16 +533,8 @@ class LlamaBatchEngine:
         reply.put(None)
 
     def _piece(self, token: int) -> bytes:
-        """The token's bytes, with the leading space a word-initial piece carries (`Llama.detokenize` of one token
-        drops it, which runs a reply's words together)."""
         assert self._llama is not None
-        vocab = self._llama._model.vocab
-        buffer = ctypes.create_string_buffer(64)
-        size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, False)
-        if size < 0:
-            buffer = ctypes.create_string_buffer(-size)
-            size = llama_cpp.llama_token_to_piece(vocab, token, buffer, len(buffer), 0, False)
-        return buffer.raw[:size]
+        return token_piece(self._llama, token)
 
     def _decode(self, rows: list[tuple[int, int, int, bool]]) -> None:
         """Evaluate `rows` of (token, position, sequence, logits wanted) in one call."""

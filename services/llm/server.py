@@ -16,10 +16,12 @@ import grpc
 from opentelemetry.trace import Span, StatusCode
 
 from services.llm.engine import Engine, GenerationRequest, Message
+from services.llm.turn_end import SCORERS, TurnEndChoice
+from services.llm.turn_probe import ProbeMismatch
 from services.llm.vocabulary import LATIN1, VOCABULARIES, latin1_model
 from voicemesh import config, serving, telemetry
 from voicemesh.admission import Admitted, QueueAdmission, monotonic_ms
-from voicemesh.endpointing import LM_COMPLETE_AT, LM_INCOMPLETE_AT, TurnEndCalibration
+from voicemesh.endpointing import TurnEndCalibration
 from voicemesh.errors import RequestError, check_session_id, invalid, out_of_range
 from voicemesh.limits import MAX_TOKENS, URGENT_WORDS
 from voicemesh.serving import OpenCalls, Server, stream_handler, unary_handler
@@ -130,23 +132,35 @@ class LlmSettings(config.ServerSettings):
     vllm_model_dir: str = config.setting(
         "", "vllm: Hugging Face model directory; empty = model_path, else Gemma 3 270M converted into the cache"
     )
+    turn_end_scorer: str = config.setting(
+        "probe",
+        "what scores a user's turn end from the logits at their last word: probe = the learned probe (trained on "
+        "real dialogue for the default model); line_end = the probability of a sentence end or line break there",
+    )
+    turn_end_probe: str = config.setting(
+        "", "the probe file (turn_end_scorer=probe); empty = the one shipped for Gemma 3 270M"
+    )
     turn_end_complete_at: float = config.setting(
-        LM_COMPLETE_AT,
-        "this model's P(turn end) from which a user's turn is taken as finished: the short wait (the default is "
-        "Gemma 3 270M's; for another model choose it with python -m bench.turns --text, see TurnEndCalibration)",
+        0.0,
+        "the score from which a user's turn is taken as finished (the short wait); 0 = the scorer's own (a probe "
+        "carries its operating point; line_end's is Gemma 3 270M's). Choose it for another model with "
+        "python -m bench.turn_text",
     )
     turn_end_incomplete_at: float = config.setting(
-        LM_INCOMPLETE_AT,
-        "this model's P(turn end) up to which a user's turn is taken as unfinished: the longest wait (the default is "
-        "Gemma 3 270M's)",
+        0.0, "the score up to which a user's turn is taken as unfinished (the longest wait); 0 = the scorer's own"
     )
 
-    def calibration(self) -> TurnEndCalibration:
-        """Where this model's turn-end scores sit; a bad pair stops the service at start, saying why."""
+    def turn_end(self) -> TurnEndChoice:
+        """The turn-end scorer to run; a bad setting stops the service at start, saying why."""
+        if self.turn_end_scorer not in SCORERS:
+            raise SystemExit(f"llm: turn_end_scorer={self.turn_end_scorer!r} unknown; use one of {', '.join(SCORERS)}")
+        if not self.turn_end_complete_at and not self.turn_end_incomplete_at:
+            return TurnEndChoice(self.turn_end_scorer, self.turn_end_probe)
         try:
-            return TurnEndCalibration(self.turn_end_complete_at, self.turn_end_incomplete_at)
+            calibration = TurnEndCalibration(self.turn_end_complete_at, self.turn_end_incomplete_at)
         except ValueError as exc:
             raise SystemExit(f"llm: {exc}") from exc
+        return TurnEndChoice(self.turn_end_scorer, self.turn_end_probe, calibration)
 
 
 def to_messages(dialogue: Sequence[llm_pb2.ChatMessage]) -> list[Message]:
@@ -205,8 +219,10 @@ def to_request(message: llm_pb2.GenerateRequest) -> GenerationRequest:
 
 
 def build_engine(settings: LlmSettings) -> Engine:
+    turn_end = settings.turn_end()
     if settings.engine == "llama_cpp":
-        from services.llm.llama_cpp_engine import LlamaCppEngine, default_model_path
+        from services.llm.llama_common import default_model_path
+        from services.llm.llama_cpp_engine import LlamaCppEngine
 
         path = Path(settings.model_path) if settings.model_path else default_model_path()
         if settings.vocabulary not in VOCABULARIES:
@@ -234,6 +250,7 @@ def build_engine(settings: LlmSettings) -> Engine:
                     continuation_due_s=settings.continuation_due_s,
                     max_ahead_s=settings.max_ahead_s,
                     first_chunk_yield_s=settings.first_chunk_yield_ms / 1000,
+                    turn_end=turn_end,
                 )
             return LlamaCppEngine(
                 path,
@@ -244,6 +261,7 @@ def build_engine(settings: LlmSettings) -> Engine:
                 yield_to_new_turns=settings.yield_to_new_turns,
                 max_ahead_s=settings.max_ahead_s,
                 first_chunk_yield_s=settings.first_chunk_yield_ms / 1000,
+                turn_end=turn_end,
             )
         except ValueError as exc:  # a setting the engine refuses: said at start, not as a traceback
             raise SystemExit(f"llm: {exc}") from exc
@@ -265,6 +283,7 @@ def build_engine(settings: LlmSettings) -> Engine:
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=settings.n_ctx,
+            turn_end=turn_end,
         )
     raise SystemExit(f"engine={settings.engine!r} unknown; use llama_cpp or vllm")
 
@@ -275,7 +294,6 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         self.engine = engine
         self.ready = False
         self.replica = settings.replica or socket.gethostname()
-        self.calibration = settings.calibration()
         self.admission = QueueAdmission(engine.capabilities.max_concurrency, settings.max_queue_wait_ms, self.replica)
         self.calls = OpenCalls()  # a drain lets the replies in flight finish and refuses new ones
 
@@ -341,7 +359,9 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
     def _turn_end(self, probability: float, score_ms: float) -> llm_pb2.TurnEnd:
         """The model's score, and the same on the scale every caller reads (this model's calibration applied)."""
         return llm_pb2.TurnEnd(
-            probability=self.calibration.standard(probability), score_ms=score_ms, model_probability=probability
+            probability=self.engine.turn_end_calibration.standard(probability),
+            score_ms=score_ms,
+            model_probability=probability,
         )
 
     async def _generate(
@@ -408,12 +428,15 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
 
 
 def build_server(settings: LlmSettings) -> Server:
-    settings.calibration()  # a bad pair stops the service before the model loads
+    settings.turn_end()  # a bad setting stops the service before the model loads
     engine = build_engine(settings)
     servicer = GeneratorServicer(settings, engine)
 
     async def load() -> None:
-        await engine.start()
+        try:
+            await engine.start()
+        except ProbeMismatch as exc:  # a probe missing, or trained on another model: stop, naming both
+            raise SystemExit(f"llm: {exc}") from exc
         servicer.ready = True
 
     return Server(

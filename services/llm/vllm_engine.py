@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
-import math
 import os
 import time
 import weakref
@@ -19,8 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from services.llm.convert_gguf import converted_model_id
 from services.llm.engine import EngineCapabilities, GenerationChunk, GenerationRequest, Message, Prefilled
 from services.llm.prompt import CompletionPrompt, ends_line
+from services.llm.turn_end import TurnEndChoice, TurnEndScorer, build_scorer
+from voicemesh.endpointing import TurnEndCalibration
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +33,8 @@ log = logging.getLogger(__name__)
 REPETITION_PENALTY = 1.1
 SCORE_GRACE_S = 0.1
 """How long a reply's first words wait for its turn-end score once they are ready."""
+SCORE_PRIORITY = -1
+"""vLLM's priority of a turn-end score (lower goes first; replies have 0): a pause waits on it."""
 END_TOKEN_IDS = 128
 """How many line-ending tokens a turn-end score asks vLLM for (its cap on `logprob_token_ids`, MAX_LOGPROB_TOKEN_IDS):
 the shortest, where nearly all the probability is ("." "?" "!" and a line break, alone or with a space or another
@@ -60,6 +67,7 @@ class VllmEngine:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool = False,
         prompt: CompletionPrompt | None = None,
+        turn_end: TurnEndChoice | None = None,
     ) -> None:
         """`kv_cache_memory_bytes` None = vLLM's default: 90% of GPU memory (on CPU, set VLLM_CPU_KVCACHE_SPACE=GiB).
         `enforce_eager` skips torch.compile (and CUDA graphs): a faster start, slower steps."""
@@ -72,8 +80,9 @@ class VllmEngine:
         self.enforce_eager = enforce_eager
         self.prompt = prompt or CompletionPrompt()
         self.capabilities = EngineCapabilities(max_concurrency=max_num_seqs, scores_turn_end=True, prefills=True)
-        self._end_ids: list[int] = []
-        self._end_set: frozenset[int] = frozenset()
+        self._turn_end_choice = turn_end or TurnEndChoice()
+        self._scorer: TurnEndScorer | None = None
+        self._score_ids: list[int] = []
         self._llm: Any = None
         self._shutdown: weakref.finalize[..., Any] | None = None
         self._request_ids = itertools.count()
@@ -93,6 +102,8 @@ class VllmEngine:
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=True,
+            # A turn-end score is urgent work: it goes ahead of every reply, preempting one if the batch is full.
+            scheduling_policy="priority",
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             enforce_eager=self.enforce_eager,
             # Stats on: each request's queued/scheduled timestamps, which queue_ms and ttft_ms come from.
@@ -105,13 +116,17 @@ class VllmEngine:
         # Stop the engine processes at interpreter exit too (the server may end without close()); vLLM's own
         # __del__ runs too late then, when the modules it needs are already torn down.
         self._shutdown = weakref.finalize(self, self._llm.shutdown)
-        self._end_ids = end_token_ids(self._llm.get_tokenizer())
-        self._end_set = frozenset(self._end_ids)
+        self._scorer = bind_scorer(self._llm.get_tokenizer(), self.model_dir, self._turn_end_choice)
+        self._score_ids = self._scorer.token_ids[:END_TOKEN_IDS].tolist()
         # Warm-up: the first step allocates buffers; also starts vLLM's output loop on this event loop.
         warm = GenerationRequest(session_id="warm-up", messages=[Message("user", "Hello")], max_tokens=1)
         async for _ in self.generate(warm):
             pass
         log.info("vllm engine ready", extra={"model": self.model_name, "start_s": round(time.monotonic() - started, 1)})
+
+    @property
+    def turn_end_calibration(self) -> TurnEndCalibration:
+        return self._scorer.calibration if self._scorer else TurnEndCalibration()
 
     @property
     def waiting(self) -> int:
@@ -225,19 +240,20 @@ class VllmEngine:
 
         started = time.monotonic()
         text = self.prompt.prefill_text(messages)
-        if text is None or not self._end_ids:
+        scorer = self._scorer
+        if text is None or scorer is None:
             return None
         params = SamplingParams(
             max_tokens=1,
             temperature=0.0,
-            logprob_token_ids=self._end_ids,
+            logprob_token_ids=self._score_ids,
             detokenize=False,
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         llm = self._llm
         try:
             # add_request, not generate: the score must be in the engine's queue before the reply is.
-            collector = await llm.add_request(request_id, await self._render(text), params)
+            collector = await llm.add_request(request_id, await self._render(text), params, priority=SCORE_PRIORITY)
         except Exception:
             log.exception("turn-end score failed", extra={"request_id": request_id})
             return None
@@ -248,15 +264,18 @@ class VllmEngine:
                 while not output.finished:
                     output = await collector.get()
                 (logprobs,) = output.outputs[0].logprobs  # one token: {token id: Logprob}, the ids asked and its own
+                (top,) = output.outputs[0].token_ids  # greedy: the likeliest token
             except asyncio.CancelledError:
                 await llm.abort(collector.request_id, internal=True)
                 raise
             except Exception:
                 log.exception("turn-end score failed", extra={"request_id": request_id})
                 return None
-            probability = sum(math.exp(lp.logprob) for token, lp in logprobs.items() if token in self._end_set)
+            probability = scorer.probability_of(
+                {token: lp.logprob for token, lp in logprobs.items()}, logprobs[top].logprob
+            )
             return TurnEndScore(
-                probability=min(1.0, probability),
+                probability=probability,
                 score_ms=(time.monotonic() - started) * 1000,
                 prompt_tokens=len(output.prompt_token_ids or ()),
                 cached_tokens=output.num_cached_tokens or 0,
@@ -290,6 +309,23 @@ def end_token_ids(tokenizer: Any, count: int = END_TOKEN_IDS) -> list[int]:
     pieces = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
     ends = [(len(piece), token) for token, piece in enumerate(pieces) if ends_line(piece)]
     return [token for _, token in sorted(ends)[:count]]
+
+
+def bind_scorer(tokenizer: Any, model_dir: Path, choice: TurnEndChoice) -> TurnEndScorer:
+    """The turn-end scorer `choice` names, for vLLM: it reads the log-probabilities of at most END_TOKEN_IDS tokens
+    per request, so a probe's tokens come first and the shortest line ends fill the rest."""
+    vocab: dict[str, int] = tokenizer.get_vocab()
+    config = json.loads((model_dir / "config.json").read_text())
+    identity = converted_model_id(model_dir) or f"{config.get('model_type', '?')}/{model_dir.name}"
+    scorer = build_scorer(
+        choice.scorer,
+        choice.probe_path,
+        identity,
+        np.array(end_token_ids(tokenizer), dtype=np.int64),
+        lambda piece: vocab.get(piece.replace(" ", "\u2581")),
+        choice.calibration,
+    )
+    return scorer
 
 
 def _timings(metrics: Any, enqueued: float) -> tuple[float, float]:

@@ -13,7 +13,7 @@ import pytest_asyncio
 
 from services.llm.engine import GenerationChunk, GenerationRequest, Message
 from services.llm.llama_batch_engine import LlamaBatchEngine, SavedSequence
-from services.llm.llama_cpp_engine import MIN_AHEAD_S, default_model_path, past_urgent, speech_s
+from services.llm.llama_common import MIN_AHEAD_S, default_model_path, past_urgent, speech_s
 
 pytestmark = pytest.mark.integration
 

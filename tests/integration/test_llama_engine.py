@@ -11,7 +11,8 @@ import pytest
 import pytest_asyncio
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_cpp_engine import MIN_AHEAD_S, LlamaCppEngine, default_model_path, past_urgent, speech_s
+from services.llm.llama_common import MIN_AHEAD_S, default_model_path, past_urgent, speech_s
+from services.llm.llama_cpp_engine import LlamaCppEngine
 
 pytestmark = pytest.mark.integration
 

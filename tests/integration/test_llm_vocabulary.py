@@ -11,10 +11,13 @@ import pytest
 from llama_cpp import Llama
 
 from services.llm.engine import Message
-from services.llm.llama_cpp_engine import default_model_path, end_tokens, logits_at, turn_end_probability
+from services.llm.llama_common import default_model_path, end_tokens
+from services.llm.llama_cpp_engine import logits_at
 from services.llm.prompt import CompletionPrompt
 from services.llm.server import LlmSettings, build_engine
+from services.llm.turn_end import LineEndScorer
 from services.llm.vocabulary import keeps, latin1_model
+from voicemesh.endpointing import TurnEndCalibration
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +38,7 @@ def turn_end_after(llama: Llama, ends: np.ndarray, text: str) -> float:
     """P(turn end) after `text` (`ends`: `end_tokens(llama)`), from the logits of its last token."""
     llama.reset()
     llama.eval(llama.tokenize(text.encode(), add_bos=True))
-    return turn_end_probability(logits_at(llama, -1), ends)
+    return LineEndScorer(ends, TurnEndCalibration()).probability(logits_at(llama, -1))
 
 
 @pytest.fixture(scope="module")

@@ -213,7 +213,7 @@ def test_an_llm_replica_with_a_bad_calibration_stops_before_it_loads_its_model(m
 
 
 def test_a_calibrations_operating_point_counts_waits_and_inside_commits() -> None:
-    from bench.turn_text import operating_point
+    from services.llm.turn_end import operating_point
 
     policy = EndpointingPolicy()
     finished, inside = [0.9, 0.5, 0.3], [0.0, 0.01, 0.46, 0.35]

@@ -12,7 +12,7 @@ import pytest
 
 from services.llm.engine import GenerationRequest, Message
 from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, ready_at, sample
-from services.llm.llama_cpp_engine import PREFILL_STEP_TOKENS, Playout
+from services.llm.llama_common import PREFILL_STEP_TOKENS, Playout
 from services.llm.server import LlmSettings, build_engine
 
 VOCAB = 1000

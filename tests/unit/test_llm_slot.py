@@ -9,17 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.llm.llama_cpp_engine import (
-    MIN_AHEAD_S,
-    NEW_CALL_DUE_S,
-    REFILL_S,
-    RESUME_AT,
-    LlamaCppEngine,
-    Playout,
-    _Slot,
-    past_urgent,
-    speech_s,
-)
+from services.llm.llama_common import MIN_AHEAD_S, REFILL_S, RESUME_AT, Playout, past_urgent, speech_s
+from services.llm.llama_cpp_engine import NEW_CALL_DUE_S, LlamaCppEngine, _Slot
 
 
 def one_slot(max_ahead_s: float = 0.0) -> tuple[LlamaCppEngine, _Slot]:

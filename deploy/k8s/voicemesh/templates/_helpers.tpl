@@ -503,6 +503,8 @@ true
   value: {{ $c.maxNumBatchedTokens | quote }}
 - name: {{ $prefix }}MAX_QUEUE_WAIT_MS
   value: {{ $c.maxQueueWaitMs | quote }}
+- name: {{ $prefix }}TURN_END_SCORER
+  value: {{ $c.turnEnd.scorer | quote }}
 - name: {{ $prefix }}TURN_END_COMPLETE_AT
   value: {{ $c.turnEnd.completeAt | quote }}
 - name: {{ $prefix }}TURN_END_INCOMPLETE_AT
