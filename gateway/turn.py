@@ -32,8 +32,9 @@ from gateway.commands import (
     ScorePause,
     StartReply,
 )
-from gateway.words import DEFAULT_BACKCHANNELS, continue_line, is_backchannel, words_of
+from gateway.words import DEFAULT_BACKCHANNELS, continue_line, is_backchannel
 from voicemesh.endpointing import LM_COMPLETE_AT
+from voicemesh.evaluation import words_of
 from voicemesh.limits import LOOKAHEAD_WORDS
 
 __all__ = [

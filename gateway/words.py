@@ -1,4 +1,4 @@
-"""The words of a transcript, as the turn policy reads them: what counts as a word, a backchannel, one user line."""
+"""What the turn policy makes of a transcript's words (voicemesh.evaluation.words_of): a backchannel, one user line."""
 
 from __future__ import annotations
 
@@ -14,13 +14,6 @@ DEFAULT_BACKCHANNELS = frozenset(
 _VOCALIZATION = re.compile(r"[mh]*m[mh]*(?:-[mh]*m[mh]*)*|u+h*m*|u+h+-?h+u+h+|a+h+|o+h+|e+r+m*|e+h+")
 """A hum or hesitation sound however Whisper spells it ("mm-m-m", "mmhmm", "m", "hmmm", "uhm", "ahh", "erm"): not a
 word, and never an interruption. Whisper writes the same "mm-hmm" a different way from one decode to the next."""
-_ANNOTATION = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")  # Whisper's "[cough]", "(laughs)": not words
-_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
-
-
-def words_of(text: str) -> list[str]:
-    """The spoken words of a transcript: lower case, no punctuation, no "[cough]"-style annotations."""
-    return _WORD.findall(_ANNOTATION.sub(" ", text.lower()))
 
 
 def continue_line(before: str, after: str) -> str:

@@ -1,18 +1,22 @@
-"""Accuracy helpers shared by tests and benchmarks: text normalisation and word error rate."""
+"""The one word normaliser (what counts as a word of a transcript, for the turn policy, the ASR and the tests), and
+word error rate."""
 
 from __future__ import annotations
 
 import re
 
+_ANNOTATION = re.compile(r"\[[^\]]*\]|\([^)]*\)|\*[^*]*\*")  # Whisper's "[cough]", "(laughs)": not words
+_WORD = re.compile(r"[a-z0-9']+(?:-[a-z0-9']+)*")
 
-def normalize(text: str) -> list[str]:
-    """Lower-case words without punctuation."""
-    return re.sub(r"[^a-z0-9' ]+", " ", text.lower()).split()
+
+def words_of(text: str) -> list[str]:
+    """The spoken words of a transcript: lower case, no punctuation, no "[cough]"-style annotations."""
+    return _WORD.findall(_ANNOTATION.sub(" ", text.lower()))
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:
     """Levenshtein distance over normalised words, divided by the reference length."""
-    ref, hyp = normalize(reference), normalize(hypothesis)
+    ref, hyp = words_of(reference), words_of(hypothesis)
     if not ref:
         return 0.0 if not hyp else 1.0
     previous = list(range(len(hyp) + 1))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib.metadata
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import onnxruntime
 from faster_whisper.feature_extractor import FeatureExtractor
 
 from services.asr.engine import Transcript
+from voicemesh.evaluation import words_of
 
 SAMPLE_RATE_HZ = 16000
 SMART_TURN_FILE = "smart-turn-v3.2-cpu.onnx"
@@ -35,7 +35,6 @@ CONTINUATION_WORDS = frozenset(
     would shall should can could may might must i we you he she they it's i'm let's very really just also
     not""".split()
 )
-_WORD = re.compile(r"[a-z0-9']+")
 FILLER_WORDS = frozenset({"um", "umm", "uhm", "uh", "uhh", "er", "erm", "ehm"})
 """Filled pauses: a speaker who ends on one is thinking, not done ("The child almost hurt the small dog. Um."). Not
 the hums ("mm", "hmm"), which are whole answers too ("Mm-hmm.")."""
@@ -50,7 +49,7 @@ NO_SPEECH = 0.6
 def doubted(transcript: Transcript) -> str | None:
     """Why a draft transcript cannot be taken for a finished sentence, whatever a language model makes of its words
     (None: nothing against it). A garbled, empty or filler-only line must never take the short wait."""
-    words = _WORD.findall(transcript.text.lower())
+    words = words_of(transcript.text)
     if not words:
         return "no_words"
     if all(word in FILLER_WORDS for word in words):  # a hum ("Mm-hmm.") is a whole answer, a filler is not
@@ -116,7 +115,7 @@ def text_completeness(text: str) -> float | None:
     """How finished a transcript reads, from its ending: Whisper punctuates what it hears as a sentence end.
 
     None when there are no words (nothing to judge)."""
-    words = _WORD.findall(text.lower())
+    words = words_of(text)
     if not words:
         return None
     stripped = text.rstrip()

@@ -25,7 +25,7 @@ from harness.faults import generating, mid_utterance, replica_of, speaking, star
 from tests.conftest import TRANSCRIPTS, load_clip, max_wer
 from voicemesh import telemetry
 from voicemesh.conversation import ReplyAudio, ReplyDone, ReplyText, SessionError, TalkTurn, talk
-from voicemesh.evaluation import normalize, word_error_rate
+from voicemesh.evaluation import word_error_rate, words_of
 from voicemesh.mesh import Mesh
 from voicemesh.v1 import conversation_pb2
 
@@ -128,7 +128,7 @@ def check_the_turn_completed_whole(outcome: Outcome, clip_name: str) -> None:
     assert word_error_rate(TRANSCRIPTS[clip_name], turn.user_text) <= max_wer(clip_name), turn.user_text
     (done,) = outcome.turn_events(ReplyDone)
     reply_text = "".join(e.text_delta for e in outcome.turn_events(ReplyText))
-    assert normalize(done.text) == normalize(reply_text), "what was spoken is what the LLM said, nothing lost or twice"
+    assert words_of(done.text) == words_of(reply_text), "what was spoken is what the LLM said, nothing lost or twice"
     seqs = [e.seq for e in outcome.turn_events(ReplyAudio)]
     assert seqs == list(range(len(seqs))) and len(seqs) > 25, "reply frames numbered without a gap or a repeat"
     errors = [e for e in outcome.events if isinstance(e, SessionError)]
@@ -165,8 +165,8 @@ async def test_an_llm_replica_lost_mid_reply_is_continued_without_repeating(repl
     reply_text = outcome.turns[0].reply_text
     said = outcome.said_before_fault
     assert said and reply_text.startswith(said), (said, reply_text)
-    rest = normalize(reply_text[len(said) :])
-    assert rest and normalize(said) != rest[: len(normalize(said))], "the continuation does not start over"
+    rest = words_of(reply_text[len(said) :])
+    assert rest and words_of(said) != rest[: len(words_of(said))], "the continuation does not start over"
 
 
 def asked(session: Session) -> bool:
