@@ -13,6 +13,7 @@ from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
 from services.asr.stream import RecognitionStream
 from services.asr.vad import WINDOW_SAMPLES
+from tests.unit.fake_asr import FakeScriptedVad
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Timed, WorkerPool
 
@@ -21,18 +22,6 @@ TONE = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tob
 SCRIPT = [(True, 30), (False, 14), (True, 12), (False, 14), (True, 20), (False, 14)]
 PHRASES = ["The first phrase is the longest one.", "A short one.", "And the third."]
 TRANSCRIPTS = ("partial", "endpoint_candidate", "final")
-
-
-class FakeScriptedVad:
-    """Speech and silence by the window, as `script` lists them."""
-
-    def __init__(self, script: list[tuple[bool, int]]) -> None:
-        self.windows = 0
-        self._states = [speech for speech, count in script for _ in range(count)]
-
-    def probability(self, window: np.ndarray) -> float:
-        self.windows += 1
-        return 0.9 if self.windows <= len(self._states) and self._states[self.windows - 1] else 0.0
 
 
 class FakeTranscriber:

@@ -22,6 +22,7 @@ from services.asr.endpointing import TAIL_GAP_MS, TAIL_MIN_SPEECH_MS, Endpointer
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
 from services.asr.stream import PREROLL_MS, RecognitionStream
 from services.asr.vad import WINDOW_SAMPLES
+from tests.unit.fake_asr import FakeScriptedVad
 from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Timed, WorkerPool
 
@@ -86,18 +87,6 @@ def test_speech_well_after_the_commit_opens_a_turn_as_soon_as_ever() -> None:
 
 # ---- the stream: a turn's decode never hears the turn before it --------------------------------------------------
 TONE = (0.1 * np.sin(np.arange(WINDOW_SAMPLES) * 0.3) * 32767).astype("<i2").tobytes()
-
-
-class FakeScriptedVad:
-    """Speech and silence by the window, as `script` lists them: (is speech, windows) runs, then silence."""
-
-    def __init__(self, script: list[tuple[bool, int]]) -> None:
-        self.windows = 0
-        self._states = [speech for speech, count in script for _ in range(count)]
-
-    def probability(self, window: np.ndarray) -> float:
-        self.windows += 1
-        return 0.9 if self.windows <= len(self._states) and self._states[self.windows - 1] else 0.0
 
 
 class FakeTranscriber:

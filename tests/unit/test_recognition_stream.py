@@ -18,6 +18,7 @@ from services.asr.stream import (
     RecognitionStream,
 )
 from services.asr.vad import WINDOW_SAMPLES
+from tests.unit.fake_asr import FakeScriptedVad
 from tests.unit.recording_pool import RecordingPool
 from voicemesh.endpointing import lm_completeness
 from voicemesh.v1 import asr_pb2, audio_pb2
@@ -195,18 +196,6 @@ async def test_baseline_final_pass_starts_only_at_the_end_of_the_turn() -> None:
     assert kinds.count("final") == 1
 
 
-class ScriptedVad:
-    """Speech and silence by the window, as `script` lists them: (is speech, windows) runs, then silence."""
-
-    def __init__(self, script: list[tuple[bool, int]]) -> None:
-        self.windows = 0
-        self._states = [speech for speech, count in script for _ in range(count)]
-
-    def probability(self, window: np.ndarray) -> float:
-        self.windows += 1
-        return 0.9 if self.windows <= len(self._states) and self._states[self.windows - 1] else 0.0
-
-
 class SlowTranscriber(FakeTranscriber):
     """A decode that takes longer than a short pause inside the speech."""
 
@@ -218,7 +207,7 @@ class SlowTranscriber(FakeTranscriber):
 async def test_speech_after_a_pause_shorter_than_its_draft_is_reported_as_resumed() -> None:
     # 64 ms of silence inside the speech: the draft started there is still decoding when the speech comes back, so no
     # candidate was sent; a listener that was told the speech stopped must still hear that it resumed.
-    vad = ScriptedVad([(True, 20), (False, 2), (True, 10)])
+    vad = FakeScriptedVad([(True, 20), (False, 2), (True, 10)])
     events: list[asr_pb2.RecognizeEvent] = []
     config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
     policy = EndpointingPolicy(hangover_ms=256, fixed_hangover=True)
