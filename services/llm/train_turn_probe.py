@@ -338,9 +338,10 @@ def fit(data: dict[str, dict[str, np.ndarray]], meta: dict[str, Any], args: argp
     return {
         "points": {
             name: {
+                "dialogues": len(set(d["dialogue"].tolist())),
                 "finished": int(d["label"].sum()),
                 "inside": int((~d["label"]).sum()),
-                "dialogues": len(set(d["dialogue"].tolist())),
+                "inside_at_sentence_ends": int((~d["label"] & d["sentence_end"]).sum()),
             }
             for name, d in data.items()
         },
