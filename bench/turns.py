@@ -14,8 +14,8 @@ VOICEMESH_ASR_*/VOICEMESH_LLM_* settings in the environment. The `llm` policy pl
 its TurnController: partial transcripts are prefilled into the real Gemma engine while the user speaks; each
 endpoint candidate starts a speculative reply, and its P(turn end) goes back to the stream as a TurnScore, at once
 when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
-on speaking, competing for the cores as it would live. `llm_line_end` is the same with the LLM's `line_end` scorer
-(the score before the learned probe). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
+on speaking, competing for the cores as it would live. `llm_probe` is the same with the LLM's learned probe as
+its turn-end scorer (`turn_end_scorer=probe`). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
 (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
@@ -94,7 +94,7 @@ POLICIES = {
     "text": Policy(EndpointingPolicy(), False, False),
     "audio_text": Policy(EndpointingPolicy(), True, False),
     "llm": Policy(EndpointingPolicy(), False, True),
-    "llm_line_end": Policy(EndpointingPolicy(), False, True, scorer="line_end"),  # the score before the probe
+    "llm_probe": Policy(EndpointingPolicy(), False, True, scorer="probe"),  # the learned probe
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),

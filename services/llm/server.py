@@ -133,9 +133,10 @@ class LlmSettings(config.ServerSettings):
         "", "vllm: Hugging Face model directory; empty = model_path, else Gemma 3 270M converted into the cache"
     )
     turn_end_scorer: str = config.setting(
-        "probe",
-        "what scores a user's turn end from the logits at their last word: probe = the learned probe (trained on "
-        "real dialogue for the default model); line_end = the probability of a sentence end or line break there",
+        "line_end",
+        "what scores a user's turn end from the logits at their last word: line_end = the probability of a "
+        "sentence end or line break there; probe = the learned probe (trained on real dialogue for the default "
+        "model: more finished turns answered fast, more clause ends cut; docs/decisions/0034)",
     )
     turn_end_probe: str = config.setting(
         "", "the probe file (turn_end_scorer=probe); empty = the one shipped for Gemma 3 270M"

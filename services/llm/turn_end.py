@@ -2,8 +2,8 @@
 reply's prefill computes there anyway. An LLM replica runs one, chosen by its `turn_end_scorer` setting; each owns its
 calibration (where its P means finished and unfinished), which the replica applies before it sends the score.
 
-- `probe` (default): the learned probe (services/llm/turn_probe.py), trained on real dialogue.
-- `line_end`: the probability that the next token ends the line (. ? ! or a line break).
+- `line_end` (default): the probability that the next token ends the line (. ? ! or a line break).
+- `probe`: the learned probe (services/llm/turn_probe.py), trained on real dialogue.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from voicemesh.endpointing import (
     TurnEndCalibration,
 )
 
-SCORERS = ("probe", "line_end")
+SCORERS = ("line_end", "probe")
 
 
 @dataclass(frozen=True)
 class TurnEndChoice:
     """Which scorer a replica runs (a setting), bound to the model once it is loaded."""
 
-    scorer: str = "probe"
+    scorer: str = "line_end"
     probe_path: str = ""
     """The probe file; empty: the one shipped for the default model."""
     calibration: TurnEndCalibration | None = None

@@ -10,8 +10,6 @@ import grpc
 import pytest
 
 from services.llm import server as llm_server
-from services.llm.turn_probe import DEFAULT_PATH as PROBE_PATH
-from services.llm.turn_probe import TurnEndProbe
 from tests.integration.helpers import expect_error
 from voicemesh import clients
 from voicemesh.endpointing import TurnEndCalibration
@@ -221,10 +219,8 @@ async def test_the_turn_end_score_comes_first_and_tells_a_finished_sentence_from
         assert responses[1].ttft_ms > 0 and "".join(r.text_delta for r in responses).strip(), "the reply follows"
     p_finished, p_broken = finished[0].turn_end.probability, broken_off[0].turn_end.probability
     assert p_finished > 0.2 > 0.02 > p_broken, (p_finished, p_broken)
-    # The probe's own operating point puts its score on the common scale; its own value goes beside it.
-    probe = TurnEndProbe.load(PROBE_PATH)
-    own = TurnEndCalibration(probe.complete_at, probe.incomplete_at)
-    assert p_finished == pytest.approx(own.standard(finished[0].turn_end.model_probability), abs=1e-6)
+    # The default scorer's scores are the common scale: the replica sends them as the model gave them.
+    assert finished[0].turn_end.model_probability == pytest.approx(p_finished, abs=1e-6)
 
 
 async def test_a_replica_puts_its_models_turn_end_scores_on_the_common_scale() -> None:

@@ -15,6 +15,7 @@ import pytest_asyncio
 from services.llm.engine import GenerationRequest, Message
 from services.llm.llama_batch_engine import LlamaBatchEngine
 from services.llm.llama_common import default_model_path
+from services.llm.turn_end import TurnEndChoice
 from services.llm.turn_probe import DEFAULT_PATH, TurnEndProbe
 from services.llm.vocabulary import latin1_model
 
@@ -66,7 +67,7 @@ UNFINISHED = (
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def engine():
-    engine = LlamaBatchEngine(latin1_model(default_model_path()), max_batch=2)
+    engine = LlamaBatchEngine(latin1_model(default_model_path()), max_batch=2, turn_end=TurnEndChoice("probe"))
     await engine.start()
     yield engine
     await engine.close()
@@ -100,7 +101,17 @@ def test_a_probe_for_another_model_stops_the_llm_service_at_start_naming_both(tm
     other = tmp_path / "other.npz"
     TurnEndProbe("llama/llama-3/8B/d4096/l32", (",",), np.array([1.0]), 1.0, 0.0, 0.0, 0.6, 0.3).save(other)
     done = subprocess.run(
-        [sys.executable, "-m", "services.llm.server", "--port", "0", "--turn-end-probe", str(other)],
+        [
+            sys.executable,
+            "-m",
+            "services.llm.server",
+            "--port",
+            "0",
+            "--turn-end-scorer",
+            "probe",
+            "--turn-end-probe",
+            str(other),
+        ],
         capture_output=True,
         text=True,
         timeout=120,

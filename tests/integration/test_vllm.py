@@ -41,6 +41,16 @@ START_TIMEOUT_S = 480
 @pytest.fixture(scope="module")
 def vllm_llm() -> Iterator[str]:
     """`voicemesh serve llm --engine vllm` from .venv-vllm/; yields its target."""
+    yield from _serve_vllm()
+
+
+@pytest.fixture(scope="module")
+def vllm_probe_llm() -> Iterator[str]:
+    """The same, scoring turn ends with the learned probe."""
+    yield from _serve_vllm("--turn-end-scorer", "probe")
+
+
+def _serve_vllm(*extra: str) -> Iterator[str]:
     if not VLLM_PYTHON.exists():
         pytest.skip(f"{VLLM_PYTHON} is absent: build the vLLM venv with `make vllm-venv` to run the vLLM tests")
     model_dir = default_model_dir()
@@ -48,7 +58,7 @@ def vllm_llm() -> Iterator[str]:
         pytest.skip(f"{model_dir} is not converted: run `make vllm-venv` (it converts the packaged Gemma GGUF once)")
     port = free_port()
     argv = [str(VLLM_PYTHON), "-m", "voicemesh.cli", "serve", "llm", "--port", str(port), "--engine", "vllm"]
-    argv += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-wait-ms", "0"]  # vLLM's own queue, not refusals
+    argv += ["--max-num-seqs", str(MAX_NUM_SEQS), "--max-queue-wait-ms", "0", *extra]  # vLLM's queue, no refusals
     # 1 GiB of KV cache (~55k tokens): vLLM on CPU otherwise reserves 90% of the machine's memory.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     log_path = Path(tempfile.mkdtemp(prefix="voicemesh-vllm-")) / "llm-vllm.log"
@@ -187,10 +197,31 @@ async def test_a_reply_scores_the_turn_end_before_its_first_words_as_llama_cpp_d
             assert not any(r.HasField("turn_end") for r in responses[1:]) and any(r.text_delta for r in responses)
             vllm_p = responses[0].turn_end.probability
             asked = GenerationRequest("llama", [Message("user", line)], max_tokens=1, score_turn_end=True)
-            (llama_p,) = [c.turn_end async for c in llama.generate(asked) if c.turn_end is not None]
+            (raw,) = [c.turn_end async for c in llama.generate(asked) if c.turn_end is not None]
+            llama_p = llama.turn_end_calibration.standard(raw)  # as its replica would send it
             # The same weights (vLLM's dequantized from the packaged GGUF); measured over 119 lines: median
             # difference 1e-4, largest 0.05.
             assert vllm_p == pytest.approx(llama_p, abs=0.06), line
+            assert (vllm_p > 0.3) if finished else (vllm_p < 0.05), (line, vllm_p)
+    finally:
+        await llama.close()
+
+
+async def test_the_learned_probe_scores_on_vllm_as_on_llama_cpp(vllm_probe_llm: str) -> None:
+    """vLLM returns the log-probabilities of at most 128 chosen tokens: the probe's 64 and the shortest line ends. Its
+    score must be the llama.cpp engine's, from the same model's logits, on the common scale both replicas send."""
+    llama = build_engine(LlmSettings(slots=1, turn_end_scorer="probe"))
+    await llama.start()
+    try:
+        for line, finished in TURN_END_LINES:
+            request = _ask(line, f"vllm-probe-{finished}", max_tokens=2)
+            request.score_turn_end = True
+            responses = [r for _, r in await _collect(vllm_probe_llm, request)]
+            assert responses[0].HasField("turn_end"), f"no score before the reply: {responses[0]}"
+            vllm_p = responses[0].turn_end.probability
+            asked = GenerationRequest("llama", [Message("user", line)], max_tokens=1, score_turn_end=True)
+            (raw,) = [c.turn_end async for c in llama.generate(asked) if c.turn_end is not None]
+            assert vllm_p == pytest.approx(llama.turn_end_calibration.standard(raw), abs=0.06), line
             assert (vllm_p > 0.3) if finished else (vllm_p < 0.05), (line, vllm_p)
     finally:
         await llama.close()

@@ -142,16 +142,16 @@ def test_gpu_values_run_vllm_on_a_gpu(rendered):
 
 def test_the_llm_replicas_get_their_models_turn_end_calibration(rendered):
     default = env_of(deployment(rendered["default"], "llm"))
-    assert default["VOICEMESH_LLM_TURN_END_SCORER"] == "probe"
+    assert default["VOICEMESH_LLM_TURN_END_SCORER"] == "line_end"
     assert (default["VOICEMESH_LLM_TURN_END_COMPLETE_AT"], default["VOICEMESH_LLM_TURN_END_INCOMPLETE_AT"]) == (
         "0",
         "0",
-    ), "the probe's own operating point"
+    ), "the scorer's own operating point"
     other = with_credentials(
-        set_values={"llm": {"turnEnd": {"scorer": "line_end", "completeAt": 0.8, "incompleteAt": 0.35}}}
+        set_values={"llm": {"turnEnd": {"scorer": "probe", "completeAt": 0.8, "incompleteAt": 0.35}}}
     )
     env = env_of(deployment(other, "llm"))
-    assert env["VOICEMESH_LLM_TURN_END_SCORER"] == "line_end"
+    assert env["VOICEMESH_LLM_TURN_END_SCORER"] == "probe"
     assert (env["VOICEMESH_LLM_TURN_END_COMPLETE_AT"], env["VOICEMESH_LLM_TURN_END_INCOMPLETE_AT"]) == ("0.8", "0.35")
     assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_MAX_BATCH"] == "8", "batched on CPU"
 
