@@ -22,26 +22,22 @@ class EndpointingPolicy:
     at the first silent window, whatever the hangover turns out to be."""
     hangover_ms: int = 288
     """The fixed hangover: used when `fixed_hangover` is set, and whenever the pause's completeness score is
-    not in by then (a slow or failing scorer never holds a turn open). 288 ms = nine windows, the shortest that
-    kept the tuning clips' in-sentence pauses whole."""
+    not in by then (a slow or failing scorer never holds a turn open). Nine windows (docs/decisions/0003)."""
     min_speech_ms: int = 96
     """Speech needed to open a turn or to end a pause in one; shorter blips (clicks, breaths) are ignored."""
     min_hangover_ms: int = 64
     """The wait after a pause a language model scored complete (a TurnScore). Scores from the transcript's ending
-    or the audio model never go below `hangover_ms`: both call clause ends of read speech complete ("The child
-    almost hurt | the small dog": Smart Turn 0.74, and a full stop from Whisper), and a shorter wait split
-    spk1_snt1 at its natural 230 ms pause. Gemma's P(turn end) there is 0.004. On a 2-core machine the LLM's score
-    comes 70-130 ms after the speech stops (the draft decode, then the reply's prefill), so that, not this, is
-    the wait in practice; this only keeps a score that comes sooner from committing within two windows. Was 128:
-    every sure turn then waited 128 ms after a score that was in at ~85 (bench.turns, the `horizon` clip)."""
+    or the audio model never go below `hangover_ms`: both call clause ends of read speech complete. The LLM's score
+    usually comes later than this, so it keeps only a score that comes sooner from committing within two windows
+    (docs/decisions/0004)."""
     max_hangover_ms: int = 1200
     """The wait after a pause scored incomplete: mid-sentence pauses of real speakers run to 600-800 ms."""
     fixed_hangover: bool = False
     """Commit after exactly `hangover_ms` of silence, without a completeness score (the baseline)."""
     score_budget_ms: int = 500
-    """How long a pause waits for a language model's score the client said is coming. On a 2-core machine it
-    comes 200-350 ms after the speech stops (the draft decode, then the LLM's prefill), later when the LLM is
-    busy with another session; past the budget the transcript's score and the fixed hangover apply."""
+    """How long a pause waits for a language model's score the client said is coming (it comes after the draft
+    decode and the LLM's prefill, later when the LLM is busy); past the budget the transcript's score and the fixed
+    hangover apply."""
 
     def hangover_for(self, completeness: float | None) -> int:
         """The silence that commits a pause whose completeness score is `completeness` (None: not scored)."""
@@ -53,26 +49,17 @@ class EndpointingPolicy:
 
 
 COMPLETE_AT = 0.7
-"""A completeness score at or above this takes the short wait. Tuned with `python -m bench.turns` on the tuning
-clips: with the default fusion it means "Whisper ended the sentence and Smart Turn did not object"."""
+"""A completeness score at or above this takes the short wait: with the default fusion, "Whisper ended the sentence
+and Smart Turn did not object" (docs/decisions/0005)."""
 INCOMPLETE_AT = 0.55
-"""At or below this, the long wait. Unsure scores in between wait 64-1200 ms; a score of 0.6 (a full stop
-that Smart Turn doubts) waits ~820 ms, longer than the 600 ms mid-sentence pauses of the tuning set."""
+"""At or below this, the long wait; unsure scores in between wait 64-1200 ms, longer when less sure."""
 
 
 LM_COMPLETE_AT = 0.45
-"""A language model's P(turn end) at or above this takes the short wait. Chosen with `python -m bench.turns --text`
-(Gemma 3 270M, word by word through 40 sentences written for it, `tune` half) and the real clips' pauses: 15 of 20
-finished `tune` sentences score above it, and 13 of 185 points inside them (clause ends that are sentences
-themselves: "The kids want pancakes for breakfast | but we are out of eggs"); `check`: 19 of 20 and 16 of 175.
-Whisper's transcripts of read speech score lower than written sentences: "The child almost hurt the small dog"
-0.46, "...who had vanished behind the curtain on the left" 0.42 (0.6 made both wait 160-200 ms more)."""
+"""On the common scale every LLM replica sends, the P(turn end) at or above which a turn takes the short wait: where
+Gemma 3 270M's line-end score means finished (docs/decisions/0004, 0024)."""
 LM_INCOMPLETE_AT = 0.2
-"""At or below this, the long wait. Between the two the wait grows linearly as P falls: at 0.29 (the clause end
-"He began a confused complaint against the wizard | who had vanished...") ~800 ms, past its 600 ms pause. Was a
-log scale from 0.03, which gave such clause ends 250-400 ms: 20 of 185 `tune` points inside sentences committed
-within a 600 ms pause against 14 now (`check`: 23 against 16). The cost: a finished sentence the model doubts
-(P 0.15, "We are sure that one war is enough": the model expects "... enough to") waits the full maximum."""
+"""At or below this, the long wait; between the two the wait grows linearly as P falls (docs/decisions/0004)."""
 
 
 @dataclass(frozen=True)
@@ -80,9 +67,9 @@ class TurnEndCalibration:
     """Where one language model's P(turn end) means finished and unfinished. LM_COMPLETE_AT and LM_INCOMPLETE_AT
     were measured on Gemma 3 270M; another model puts the same sentences elsewhere on its own scale. An LLM
     replica maps its model's probability onto theirs (`standard`) before it sends it, so the gateway and the ASR
-    use one scale whichever model scored. Choose a model's two points with `python -m bench.turns --text` on
-    that model's engine: its `calibrations` table gives, per candidate pair, how long finished sentences wait and
-    how many points inside sentences would commit within a 200, 400 or 600 ms pause."""
+    use one scale whichever model scored. Choose a model's two points with `python -m bench.turn_text` on that
+    model's engine: its `calibrations` table gives, per candidate pair, how long finished sentences wait and how many
+    points inside sentences would commit within a 200, 400 or 600 ms pause."""
 
     complete_at: float = LM_COMPLETE_AT
     """This model's P at and above which a turn is taken as finished (the short wait)."""

@@ -102,21 +102,19 @@ class LlmSettings(config.ServerSettings):
         2.0,
         "llama_cpp with max_batch > 1 and yield_to_new_turns: a reply past its urgent words sits out the steps that "
         "carry another's urgent work (a prompt, first words) unless its audio would run dry within this many "
-        "seconds (8 sessions, 48 replies: at 1 s 11-20 ran dry, up to 0.68 s; at 2 s 3-12, up to 0.22 s)",
+        "seconds (docs/decisions/0019)",
     )
     max_ahead_s: float = config.setting(
         0.0,
         "llama_cpp flow control: a reply past its urgent words stops decoding once the text it streamed would take "
         "this long to say beyond its playout (at 15 characters a second), and carries on when it needs more (max_batch "
         "1: when half of that is left, from a saved state). Less decode is thrown away at a barge-in, but the cores "
-        "idle while it waits: it did not pay (8 sessions batched, 3 s: V2V p99 x0.93 at once, x1.14 staggered; one "
-        "slot, 4 sessions at once: p99 x1.44); 0 = no limit (default), else >= 2",
+        "idle while it waits, which did not pay (docs/decisions/0020); 0 = no limit (default), else >= 2",
     )
     first_chunk_yield_ms: float = config.setting(
         0.0,
         "llama_cpp: once a reply's urgent words are out, its decode steps aside this long while the TTS synthesizes "
-        "them, for a TTS that shares these cores (a local mesh sets 50: on 2 cores, with the TTS's first chunk on "
-        "both, TTS first audio p50 52 -> 34 ms and V2V p50 -20 ms, python -m bench.pipeline); 0 = never. The "
+        "them, for a TTS that shares these cores (a local mesh sets 50; docs/decisions/0014); 0 = never. The "
         "reply's later words come that much later, still seconds ahead of its playout",
     )
     replica: str = config.setting("", "name reported as the serving replica; empty = host name")
