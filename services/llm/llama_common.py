@@ -132,7 +132,7 @@ def token_pieces(llama: Llama) -> dict[int, str]:
 
 def end_tokens(llama: Llama) -> np.ndarray:
     """The ids of tokens that end a user's line (`ends_line`)."""
-    return end_token_ids(lambda: token_pieces(llama))
+    return end_token_ids(token_pieces(llama))
 
 
 def bind_scorer(llama: Llama, choice: TurnEndChoice) -> TurnEndScorer:
@@ -143,7 +143,7 @@ def bind_scorer(llama: Llama, choice: TurnEndChoice) -> TurnEndScorer:
         choice.scorer,
         choice.probe_path,
         model_identity(llama.metadata, llama.n_embd()),
-        end_token_ids(lambda: pieces),
+        end_token_ids(pieces),
         functools.partial(token_of, llama, pieces),
         choice.calibration,
     )

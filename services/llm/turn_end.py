@@ -111,9 +111,9 @@ class ProbeScorer:
         return self.probe.from_scores(scores, end_logprob, top_logprob)
 
 
-def end_token_ids(pieces: Callable[[], Mapping[int, str]]) -> np.ndarray:
+def end_token_ids(pieces: Mapping[int, str]) -> np.ndarray:
     """The ids of the tokens that end a user's line (`ends_line`), from a model's id -> piece table."""
-    return np.array(sorted(token for token, piece in pieces().items() if ends_line(piece)), dtype=np.int64)
+    return np.array(sorted(token for token, piece in pieces.items() if ends_line(piece)), dtype=np.int64)
 
 
 def build_scorer(
