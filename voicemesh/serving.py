@@ -97,6 +97,7 @@ def stream_handler(method: Callable[..., AsyncIterator[Any]]) -> Callable[..., A
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         caller = CallerStream(request) if isinstance(request, AsyncIterator) else None
+        telemetry.CALLS.labels(method.__name__).inc()
         try:
             async for item in method(self, request if caller is None else caller, context):
                 yield item
@@ -116,6 +117,7 @@ def unary_handler(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaita
 
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        telemetry.CALLS.labels(method.__name__).inc()
         try:
             return await method(self, request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError):

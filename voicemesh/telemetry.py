@@ -120,6 +120,24 @@ FAILOVERS = Counter(
 )
 REPLAYED_FRAMES = Counter("voicemesh_asr_replayed_frames_total", "Audio frames replayed to a new ASR stream")
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
+CALLS = Counter("voicemesh_calls_total", "gRPC calls handled, by method (the denominator of error ratios)", ["method"])
+RUNNING = Gauge("voicemesh_running_requests", "Requests holding a slot now (an LLM batch's sequences)", ["service"])
+SLOTS = Gauge("voicemesh_slots", "Requests a replica serves at once (the LLM's batch size)", ["service"])
+COMPLETION_TOKENS = Counter("voicemesh_llm_completion_tokens_total", "Tokens generated in finished replies")
+WORKER_BUSY = Counter(
+    "voicemesh_worker_busy_seconds_total", "Seconds worker threads spent in engine calls, by pool", ["pool"]
+)
+WORKERS = Gauge("voicemesh_workers", "Worker threads of a pool", ["pool"])
+AUDIO = Counter(
+    "voicemesh_audio_seconds_total",
+    "Audio handled, by service (asr: heard; tts: synthesized): with worker busy seconds, the real-time factor",
+    ["service"],
+)
+CERTIFICATE_EXPIRY = Gauge(
+    "voicemesh_tls_certificate_expiry_timestamp_seconds",
+    "When the TLS certificate this process loaded expires (epoch seconds), by role (server, client)",
+    ["role"],
+)
 
 
 class JsonlSpanExporter(SpanExporter):

@@ -15,6 +15,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from voicemesh import telemetry
+
 
 @dataclass(frozen=True)
 class ServerTls:
@@ -25,6 +27,7 @@ class ServerTls:
     client_ca_file: str = ""
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
+        record_expiry(self.cert_file, "server")
         client_ca = _read(self.client_ca_file) if self.client_ca_file else None
         return grpc.ssl_server_credentials(
             [(_read(self.key_file), _read(self.cert_file))],
@@ -33,6 +36,7 @@ class ServerTls:
         )
 
     def ssl_context(self) -> ssl.SSLContext:
+        record_expiry(self.cert_file, "server")
         context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         context.load_cert_chain(self.cert_file, self.key_file)
         if self.client_ca_file:
@@ -52,6 +56,8 @@ class ClientTls:
     def grpc_credentials(self) -> grpc.ChannelCredentials:
         if bool(self.cert_file) != bool(self.key_file):
             raise ValueError("a client certificate needs its key, and a key its certificate")
+        if self.cert_file:
+            record_expiry(self.cert_file, "client")
         return grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca_file) if self.ca_file else None,
             private_key=_read(self.key_file) if self.key_file else None,
@@ -152,6 +158,13 @@ def _write_pem(path: Path, data: bytes) -> str:
     path.write_bytes(data)
     path.chmod(0o600)
     return str(path)
+
+
+def record_expiry(cert_file: str, role: str) -> None:
+    """Publish when a certificate this process serves or presents expires (`voicemesh_tls_certificate_expiry_...`):
+    it is read once at start, so a renewed Secret takes effect only after a restart, and the alert says so."""
+    certificate = x509.load_pem_x509_certificate(_read(cert_file))
+    telemetry.CERTIFICATE_EXPIRY.labels(role).set(certificate.not_valid_after_utc.timestamp())
 
 
 def _read(path: str) -> bytes:

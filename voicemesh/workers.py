@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from voicemesh import cpus
+from voicemesh import cpus, telemetry
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -44,6 +44,8 @@ class WorkerPool:
         self._executor = ThreadPoolExecutor(
             workers, thread_name_prefix=name, initializer=functools.partial(cpus.lower_this_thread, nice)
         )
+        self._busy = telemetry.WORKER_BUSY.labels(name)
+        telemetry.WORKERS.labels(name).set(workers)
 
     @property
     def waiting(self) -> int:
@@ -95,9 +97,13 @@ class WorkerPool:
         started = time.monotonic_ns()
         future = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         # The worker stays taken until the thread returns, even if the caller gives up waiting.
-        future.add_done_callback(lambda _: self._release())
+        future.add_done_callback(lambda _: self._finished(started))
         result = await asyncio.shield(future)
         return Timed(result, (started - enqueued) / 1e6, (time.monotonic_ns() - started) / 1e6)
+
+    def _finished(self, started_ns: int) -> None:
+        self._busy.inc((time.monotonic_ns() - started_ns) / 1e9)
+        self._release()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

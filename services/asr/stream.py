@@ -99,8 +99,10 @@ class RecognitionStream:
     # ---- input -----------------------------------------------------------------------------------------
     def push_frame(self, frame: audio_pb2.AudioFrame) -> None:
         samples = self._resampler.process(pcm16_to_float(frame.data))
-        self._received_ms += len(frame.data) / 2 * 1000 / self.config.sample_rate_hz
+        frame_ms = len(frame.data) / 2 * 1000 / self.config.sample_rate_hz
+        self._received_ms += frame_ms
         self._frames += 1
+        telemetry.AUDIO.labels("asr").inc(frame_ms / 1000)
         self._frame_ends_ms.append(self._received_ms)
         self._frame_capture_us.append(frame.capture_time_us)
         if len(self._frame_ends_ms) > 2000:  # 40 s of 20 ms frames is far more than any endpoint looks back

@@ -294,6 +294,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         self.ready = False
         self.replica = settings.replica or socket.gethostname()
         self.admission = QueueAdmission(engine.capabilities.max_concurrency, settings.max_queue_wait_ms, self.replica)
+        telemetry.SLOTS.labels("llm").set(self.admission.slots)
         self.calls = OpenCalls()  # a drain lets the replies in flight finish and refuses new ones
 
     @stream_handler
@@ -307,7 +308,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
         generation = to_request(request)
         parent = telemetry.context_from(context.invocation_metadata())
         with self.calls.hold(), self.admission.admit() as admitted:
-            telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
+            self._gauge_admission()
             # Not the current span: this generator may be closed from another task's context (the caller gave up),
             # and detaching a context attached elsewhere is an error. Child spans name it as their parent instead.
             span = TRACER.start_span("llm.generate", context=parent)
@@ -323,7 +324,12 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                 raise
             finally:
                 span.end()
+        self._gauge_admission()
+
+    def _gauge_admission(self) -> None:
+        """The admission's state on /metrics: requests waiting, and those holding a slot (the batch's occupancy)."""
         telemetry.WAITING.labels("llm").set(max(0, self.admission.in_flight - self.admission.slots))
+        telemetry.RUNNING.labels("llm").set(min(self.admission.in_flight, self.admission.slots))
 
     @unary_handler
     async def Prefill(
@@ -404,6 +410,7 @@ class GeneratorServicer(llm_pb2_grpc.GeneratorServicer):
                         self.admission.record(ttft_ms)
                 if chunk.finish_reason:
                     completion = chunk.completion_tokens
+                    telemetry.COMPLETION_TOKENS.inc(completion)
                     span.set_attributes(
                         {
                             "prompt_tokens": chunk.prompt_tokens,

@@ -293,6 +293,7 @@ class SynthesisStream:
             queue_ms = (submitted_ns - ready_ns) / 1e6 + timed.queue_ms
             telemetry.QUEUE_WAIT.labels("tts").observe(queue_ms / 1000)
             telemetry.COMPUTE.labels("tts").observe(timed.compute_ms / 1000)
+            telemetry.AUDIO.labels("tts").inc(len(timed.result) * FRAME_MS / 1000)
             if utterance.chunks == 0 and utterance.span is not None:
                 done_ns = time.time_ns()
                 started_ns = done_ns - int(timed.compute_ms * 1e6)
