@@ -78,6 +78,7 @@ class Reply:
     turn_end: float | None = None  # the LLM's P(turn end) for its words, once in
     frames_released: int = 0  # handed to the playout
     frames_sent: int = 0  # played out by the transport
+    unconfirmed_chunks: int = 0  # sent whole, the listener's word on hearing them not in yet (Session.confirm_heard)
     # Metrics
     turn_index: int = 0
     usage: llm_pb2.Usage = field(default_factory=llm_pb2.Usage)

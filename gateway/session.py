@@ -90,6 +90,9 @@ class Session:
         # A reply on its way evaluates the prompt in its own call.
         self._prefills = Newest(self._prefill, held=lambda: bool(self._replies) or self._closing)
         self.playout: Playout[ReplyFrame] = Playout(self._played)
+        # A door whose listener reports what it heard (a carrier's marks) sets this: a chunk of the reply then counts
+        # as spoken once `confirm_heard` says so, not when its last frame is sent.
+        self.heard_on_confirmation = False
         self.asr = AsrLink(options, backends, self.outbox, self)
         self.tts = TtsLink(options, backends, self.outbox, self)
         self._tasks = [
@@ -107,6 +110,11 @@ class Session:
     def on_client_report(self, report: conversation_pb2.ClientReport) -> None:
         """The client's own times of a turn (gateway/recorder.py)."""
         self.recorder.on_client_report(report, self._current)
+
+    def on_dtmf(self, digit: str, duration_ms: int = 0) -> None:
+        """A key the caller pressed (a phone door's DTMF): an event for whoever follows the session."""
+        log.info("dtmf", extra={"session_id": self.options.session_id, "digit": digit})
+        self.outbox.emit(dtmf=conversation_pb2.Dtmf(digit=digit, duration_ms=duration_ms))
 
     def deliver(self, event: conversation_pb2.ConverseEvent) -> None:
         """Queue an event for the client (bounded: gateway/outbox.py)."""
@@ -396,16 +404,34 @@ class Session:
             reply.first_sent_us = sent_us
         reply.frames_sent += 1
         if frame.speech.chunk_end:
-            reply.spoken_chunks.append(frame.speech.text)
-            self.turns.on_words_heard(reply.utterance_id)
+            if self.heard_on_confirmation:
+                reply.unconfirmed_chunks += 1
+            else:
+                self._heard(reply, frame.speech.text)
         self._finish_if_played(reply)
+
+    def confirm_heard(self, turn_index: int, text: str, heard: bool = True) -> None:
+        """The listener's word on a chunk whose last frame was sent (`heard_on_confirmation`): heard, its text counts
+        as spoken; not heard (no word came in time), the reply stops waiting for it. Late word of an ended turn is
+        ignored."""
+        reply = self._current
+        if reply is None or reply.turn_index != turn_index or not reply.unconfirmed_chunks:
+            return
+        reply.unconfirmed_chunks -= 1
+        if heard:
+            self._heard(reply, text)
+        self._finish_if_played(reply)
+
+    def _heard(self, reply: Reply, text: str) -> None:
+        reply.spoken_chunks.append(text)
+        self.turns.on_words_heard(reply.utterance_id)
 
     def _finish_if_played(self, reply: Reply) -> None:
         """The reply is done once all of it was generated, synthesized and played (a paused one waits for its
         resume: the speech over it may yet interrupt it)."""
         if reply is not self._current or reply.cancelled or self.turns.paused:
             return
-        if not (reply.llm_done and reply.tts_done) or reply.frames or self.playout.queued:
+        if not (reply.llm_done and reply.tts_done) or reply.frames or self.playout.queued or reply.unconfirmed_chunks:
             return
         self.outbox.emit(
             reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index
