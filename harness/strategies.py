@@ -40,7 +40,7 @@ SPECIAL_TEXT += (
 )
 LONG_PIECES = ("a", "é", "word ", "\U0001f600", "\x07", "Hello. ")
 SESSION_RATES = (16000, 48000)
-OUTPUT_RATES = (0, 16000, 22050, 24000, 48000)
+OUTPUT_RATES = (0, 8000, 16000, 22050, 24000, 48000)
 
 
 def integers(low: int, high: int) -> st.SearchStrategy[int]:

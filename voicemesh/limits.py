@@ -50,5 +50,5 @@ LOOKAHEAD_WORDS = Range(1, 4, 2)
 INPUT_RATES = Rates((8000, 16000, 22050, 24000, 32000, 44100, 48000))
 """Rates of the user's audio: telephony's 8 kHz, the ASR's own 16 kHz, and the rates sound cards and browsers run at
 (a page whose AudioContext runs at 44.1 kHz sends that). The ASR resamples each stream to 16 kHz as it arrives."""
-OUTPUT_RATES = Rates((16000, 22050, 24000, 48000), default=16000)
-"""Rates of the reply audio (the TTS resamples its voice to it)."""
+OUTPUT_RATES = Rates((8000, 16000, 22050, 24000, 48000), default=16000)
+"""Rates of the reply audio (the TTS resamples its voice to it); 8 kHz for a phone call."""
