@@ -453,9 +453,11 @@ class Server:
 
     async def set_not_serving(self) -> None:
         """Tell health checkers (a load balancer, the kubelet) to send no new work here."""
+        telemetry.SERVING.set(0)
         await self._health.enter_graceful_shutdown()
 
     async def _set_all(self, status: int) -> None:
+        telemetry.SERVING.set(1 if status == health_pb2.HealthCheckResponse.SERVING else 0)
         for name in ["", *self.service_names]:
             await self._health.set(name, status)
 
@@ -465,6 +467,7 @@ class Server:
         if self._server is None:
             return
         self._gate.refusing = True  # first: a client that has seen NOT_SERVING is refused from then on
+        telemetry.SERVING.set(0)
         await self._health.enter_graceful_shutdown()
         grace_s = self.settings.drain_grace_s
         deadline_s = time.monotonic() + grace_s

@@ -120,6 +120,7 @@ FAILOVERS = Counter(
 )
 REPLAYED_FRAMES = Counter("voicemesh_asr_replayed_frames_total", "Audio frames replayed to a new ASR stream")
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
+SERVING = Gauge("voicemesh_serving", "1 while this process's health check says SERVING (model loaded, not draining)")
 CALLS = Counter("voicemesh_calls_total", "gRPC calls handled, by method (the denominator of error ratios)", ["method"])
 RUNNING = Gauge("voicemesh_running_requests", "Requests holding a slot now (an LLM batch's sequences)", ["service"])
 SLOTS = Gauge("voicemesh_slots", "Requests a replica serves at once (the LLM's batch size)", ["service"])
