@@ -67,3 +67,20 @@ class GatewaySettings(config.ServerSettings):
     turn_urls: str = config.setting("", "comma-separated turn:/turns: URLs the credentials are for")
     turn_ttl_s: float = config.setting(3600.0, "lifetime of the TURN credentials handed to an authenticated page")
     webrtc_connect_timeout_s: float = config.setting(3.0, "the page moves to WebSocket if WebRTC is not up by then")
+    twilio_auth_token: str = config.setting(
+        "", "Twilio account auth token: opens the Twilio phone door, whose webhooks are verified with it; empty = off"
+    )
+    telnyx_public_key: str = config.setting(
+        "", "Telnyx account public key (base64 Ed25519): opens the Telnyx phone door, webhooks verified with it"
+    )
+    telephony_public_url: str = config.setting(
+        "",
+        "https URL the carriers reach this gateway at (a proxy in front): webhooks are verified against it and "
+        "streams pointed at it; empty = the request's own",
+    )
+    telephony_stream_secret: str = config.setting(
+        "",
+        "key of the one-use stream tokens a webhook answer hands the carrier; the same on every replica behind one "
+        "address; empty = random per process",
+    )
+    telephony_token_ttl_s: float = config.setting(30.0, "a phone stream must start this soon after its webhook")

@@ -20,8 +20,10 @@ from aiohttp import web
 from gateway.browser import BrowserSession, Transport
 from gateway.origins import OriginPolicy
 from gateway.protocol import CLOSE_BAD_REQUEST, MAX_MESSAGE_BYTES, session_config
+from gateway.realtime.door import RealtimeDoor
 from gateway.registry import RateLimited, SessionRegistry
 from gateway.settings import GatewaySettings
+from gateway.telephony.door import TelephonyDoor
 from gateway.webrtc import INPUT_RATE_HZ, WebRtcOptions, WebRtcPeer
 from gateway.websocket import WebSocketTransport, read_websocket, refuse_websocket, start_message
 from voicemesh.audio import FRAME_MS
@@ -56,6 +58,8 @@ class WebDoor:
         self._runner: web.AppRunner | None = None
         self._browsers: set[BrowserSession] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.realtime = RealtimeDoor(registry, settings, self.origins, self._run)
+        self.telephony = TelephonyDoor(registry, settings, lambda *run: self._spawn(self._run(*run)))
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_MESSAGE_BYTES)
@@ -64,7 +68,9 @@ class WebDoor:
         app.router.add_post("/api/offer", self._offer)
         app.router.add_post("/api/ice-state", self._ice_state)
         app.router.add_get("/api/ws", self._websocket)
+        app.router.add_get("/v1/realtime", self.realtime.handle)  # the OpenAI Realtime API (gateway/realtime/)
         app.router.add_static("/static/", STATIC_DIR)
+        self.telephony.add_routes(app)  # /telephony/<carrier>/voice and /stream, for each carrier set up
         return app
 
     async def start(self, port: int) -> int:
@@ -91,6 +97,7 @@ class WebDoor:
     async def stop(self) -> None:
         for browser in list(self._browsers):
             browser.shutdown()
+        await self.realtime.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=5.0)
         if self._runner is not None:
