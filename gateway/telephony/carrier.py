@@ -65,6 +65,7 @@ class CarrierError:
 
 CarrierEvent = Connected | Start | Media | Digit | MarkEcho | Stop | CarrierError
 
+DTMF_KEYS = "0123456789*#ABCD"
 CODECS = {"PCMU": (g711.ulaw_decode, g711.ulaw_encode), "PCMA": (g711.alaw_decode, g711.alaw_encode)}
 
 
@@ -96,7 +97,10 @@ class MediaStream:
         if event == "mark":
             return MarkEcho(text_field(message, "mark", "name"))
         if event == "dtmf":
-            return Digit(text_field(message, "dtmf", "digit"))
+            digit = text_field(message, "dtmf", "digit")
+            if len(digit) != 1 or digit not in DTMF_KEYS:
+                raise invalid(f"dtmf.digit={digit[:8]!r} is not a phone key; send one of {DTMF_KEYS}")
+            return Digit(digit)
         if event == "start":
             return self.start(message)
         if event == "stop":

@@ -3,6 +3,7 @@ arrives in its `start`): only a call the carrier announced with a verified webho
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from collections.abc import Callable
@@ -24,7 +25,8 @@ class StreamTokens:
     (set the same secret on every replica behind one address)."""
 
     def __init__(self, secret: str, ttl_s: float, clock: Callable[[], float] = time.time) -> None:
-        self._key = secret.encode() if secret else secrets.token_bytes(32)
+        # Hashed to the 32 bytes HS256 wants, however long the configured secret is.
+        self._key = hashlib.sha256(secret.encode()).digest() if secret else secrets.token_bytes(32)
         self.ttl_s = ttl_s
         self._clock = clock
         self._used: dict[str, float] = {}  # token id -> its expiry, while it could still be replayed
