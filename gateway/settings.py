@@ -84,3 +84,6 @@ class GatewaySettings(config.ServerSettings):
         "address; empty = random per process",
     )
     telephony_token_ttl_s: float = config.setting(30.0, "a phone stream must start this soon after its webhook")
+    telephony_config: str = config.setting(
+        "{}", "SessionConfig as JSON for phone calls (system prompt, voice, pipeline options); rates are the phone's"
+    )

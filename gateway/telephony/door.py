@@ -4,6 +4,7 @@ before a session opens."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
@@ -11,7 +12,7 @@ from urllib.parse import parse_qs
 from aiohttp import web
 
 from gateway.browser import BrowserSession, Transport
-from gateway.protocol import close_code, close_reason
+from gateway.protocol import close_code, close_reason, session_config
 from gateway.registry import SessionRegistry
 from gateway.settings import GatewaySettings
 from gateway.telephony.carrier import Connected, MediaStream, Start, Webhook
@@ -52,6 +53,11 @@ class TelephonyDoor:
         self.settings = settings
         self.carriers = carriers(settings)
         self.tokens = StreamTokens(settings.telephony_stream_secret, settings.telephony_token_ttl_s)
+        try:
+            self.config = session_config(json.loads(settings.telephony_config))
+        except (ValueError, RequestError) as error:
+            raise SystemExit(f"telephony_config is not a SessionConfig as JSON: {error}") from error
+        self.config.input_sample_rate_hz = self.config.output_sample_rate_hz = PHONE_RATE_HZ
         self._serve = serve
 
     def add_routes(self, app: web.Application) -> None:
@@ -102,11 +108,9 @@ class TelephonyDoor:
                 self.tokens.redeem(start.token, path_name, start.call_id)
                 principal = Principal(f"{path_name}:{start.call_id}")
                 self.registry.admit(principal, request.remote or "")
-                config = conversation_pb2.SessionConfig(
-                    session_id=f"{path_name}-{start.call_id}"[:128],
-                    input_sample_rate_hz=PHONE_RATE_HZ,
-                    output_sample_rate_hz=PHONE_RATE_HZ,
-                )
+                config = conversation_pb2.SessionConfig()
+                config.CopyFrom(self.config)
+                config.session_id = f"{path_name}-{start.call_id}"[:128]
                 session = await self.registry.open_session(config, door=path_name, principal=principal)
             except RequestError as error:
                 log.info(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import time
 from collections.abc import Mapping, Sequence
@@ -15,7 +14,10 @@ import grpc
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from voicemesh.carrier_signatures import telnyx_signed_message, twilio_signature
 from voicemesh.errors import RequestError
+
+__all__ = ["forbidden", "telnyx_public_key", "twilio_signature", "verify_telnyx", "verify_twilio"]
 
 TELNYX_TOLERANCE_S = 300.0  # a signed webhook older (or newer) than this is a replay, not a call
 
@@ -23,13 +25,6 @@ TELNYX_TOLERANCE_S = 300.0  # a signed webhook older (or newer) than this is a r
 def forbidden(reason: str) -> RequestError:
     """A webhook that failed verification (HTTP 403, no session)."""
     return RequestError(grpc.StatusCode.PERMISSION_DENIED, reason)
-
-
-def twilio_signature(auth_token: str, url: str, params: Mapping[str, Sequence[str]]) -> str:
-    """Twilio's signature of a request: the URL, then each parameter's name and value, names sorted (a repeated
-    name's values sorted too), HMAC-SHA1 with the auth token, base64."""
-    data = url + "".join(name + value for name in sorted(params) for value in sorted(set(params[name])))
-    return base64.b64encode(hmac.new(auth_token.encode(), data.encode(), hashlib.sha1).digest()).decode()
 
 
 def _url_variants(url: str) -> set[str]:
@@ -74,6 +69,6 @@ def verify_telnyx(
     if skew_s > TELNYX_TOLERANCE_S:
         raise forbidden(f"telnyx-timestamp is {skew_s:.0f} s from now (more than {TELNYX_TOLERANCE_S:g} s)")
     try:
-        key.verify(base64.b64decode(signature, validate=True), timestamp.encode() + b"|" + body)
+        key.verify(base64.b64decode(signature, validate=True), telnyx_signed_message(timestamp, body))
     except (InvalidSignature, binascii.Error, ValueError):
         raise forbidden("telnyx-signature-ed25519 does not sign this request") from None
