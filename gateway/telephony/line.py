@@ -83,8 +83,13 @@ class PhoneLine:
             await self.clear(int(message.get("turn_index", 0)))
         elif kind == "error":
             log.info(
-                "phone call refused",
-                extra={"session_id": self.session.options.session_id, "reason": message.get("message")},
+                "session error",
+                extra={
+                    "session_id": self.session.options.session_id,
+                    "code": message.get("code"),
+                    "reason": message.get("message"),
+                    "recoverable": message.get("recoverable"),
+                },
             )
 
     async def clear(self, turn_index: int) -> None:
