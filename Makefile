@@ -6,7 +6,7 @@ INSTALLED := $(VENV)/.installed
 PROTOS := $(wildcard protos/voicemesh/v1/*.proto)
 STUBS := voicemesh/v1/.generated
 
-.PHONY: setup run test unit integration bench lint format protos clean k8s-check browser vllm-venv
+.PHONY: setup run test unit integration bench lint format protos clean k8s-check browser prometheus vllm-venv
 
 setup: $(INSTALLED) $(STUBS)
 
@@ -40,7 +40,7 @@ protos: $(INSTALLED)
 run: setup
 	$(VENV)/bin/voicemesh up
 
-test: setup k8s-check browser
+test: setup prometheus k8s-check browser
 	@$(MAKE) --no-print-directory vllm-venv || echo "vLLM CPU venv could not be built: tests/integration/test_vllm.py will skip and say why"
 	$(PY) -m pytest -q --ignore=tests/unit/test_k8s_chart.py --ignore=tests/e2e
 	$(PY) -m tests.e2e -q  # in a loopback-only network namespace where the machine allows one
@@ -50,6 +50,13 @@ browser:
 	@if [ -x /usr/bin/chromium ]; then :; \
 	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
 	else echo "chromium missing and not root: run 'sudo apt-get install chromium' for the browser tests"; fi
+
+# A real Prometheus and promtool for the monitoring checks and tests: Debian's prometheus (needs root for apt;
+# without it promtool's checks and tests/integration/test_monitoring.py skip, saying why).
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+	else echo "prometheus missing and not root: run 'sudo apt-get install prometheus' for the monitoring tests"; fi
 
 # The Helm chart and Dockerfiles, checked offline with their own tools (checkov pins ~100 packages, so they
 # live in their own venv rather than the service venv).
