@@ -85,6 +85,7 @@ class Mesh:
         tls: LocalCertificates | None = None,
         service_token: str = "",
         cpus: int | None = None,
+        metrics_ports: Mapping[str, int] | None = None,
     ) -> None:
         """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none).
 
@@ -92,7 +93,8 @@ class Mesh:
         that they do not oversubscribe the box (`voicemesh.cpus`).
 
         With `tls`, every gRPC port serves TLS: the services want the gateway's client certificate (mutual TLS)
-        and `service_token`, and each process answers probes on a plaintext health-only port."""
+        and `service_token`, and each process answers probes on a plaintext health-only port. `metrics_ports`: where
+        each process (by name) serves /metrics."""
         secure: list[str] = []
         if tls is not None:
             secure = [f"--tls-cert={tls.server.cert_file}", f"--tls-key={tls.server.key_file}"]
@@ -101,6 +103,8 @@ class Mesh:
             args = [*secure, f"--tls-client-ca={tls.ca_file}"] if tls is not None else []
             if service_token:
                 args.append(f"--auth-token={service_token}")
+            if metrics_ports:
+                args.append(f"--metrics-port={metrics_ports[name]}")
             self._start_guarded(name, ports[name], args, tls is not None or bool(service_token), budget[name])
         targets = [f"--{name}-target=127.0.0.1:{ports[name]}" for name in STAGES]
         client = []
@@ -112,6 +116,8 @@ class Mesh:
             ]
         if service_token:
             client.append(f"--service-token={service_token}")
+        if metrics_ports:
+            client.append(f"--metrics-port={metrics_ports['gateway']}")
         gateway = [*targets, f"--http-port={http_port}", *secure, *client, *gateway_args]
         self._start_guarded("gateway", ports["gateway"], gateway, tls is not None)
 

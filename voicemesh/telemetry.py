@@ -117,6 +117,8 @@ FAILOVERS = Counter(
     "Work moved off a failed, hung or draining replica, by stage (asr: the utterance replayed; llm: the reply "
     "continued; tts: the unspoken rest synthesized again)",
     ["stage"],
+for _stage in ("asr", "llm", "tts"):  # a zero rate, not no data, until the first failover
+    FAILOVERS.labels(_stage)
 )
 REPLAYED_FRAMES = Counter("voicemesh_asr_replayed_frames_total", "Audio frames replayed to a new ASR stream")
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -23,13 +24,16 @@ for module in (
     "yaml",
     "pathspec",
     "cloudcoil.models.keda",
+    "cloudcoil.models.prometheus_operator",
+    "promql_parser",
+    "grafana_foundation_sdk",
 ):
     pytest.importorskip(module, reason=f"{module} missing: pip install -r deploy/k8s/requirements.txt")
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "k8s"))
 
-from checks import cli, dockerfiles, keda, render, schema, settings, values, wiring  # noqa: E402
+from checks import cli, dashboard, dockerfiles, keda, monitoring, render, schema, settings, values, wiring  # noqa: E402
 from checks.dockerignore import DockerIgnore  # noqa: E402
 from checks.objects import component_name, container, env_of, find, one, pods_selected, port_of  # noqa: E402
 
@@ -118,7 +122,7 @@ def test_keda_replaces_the_cpu_hpa(rendered):
     assert not find(result.objects, "HorizontalPodAutoscaler")
     llm = one(result.objects, "ScaledObject", "voicemesh-llm")
     queries = [t["metadata"]["query"] for t in llm["spec"]["triggers"]]
-    assert any("voicemesh_llm_queue_wait_seconds" in q and 'namespace="voicemesh"' in q for q in queries)
+    assert any('voicemesh:queue_wait_seconds:p95_rate1m{namespace="voicemesh", service="llm"}' in q for q in queries)
 
 
 def test_gpu_values_run_vllm_on_a_gpu(rendered):
@@ -616,3 +620,135 @@ def test_a_shared_node_splits_one_cpu_budget_between_the_stages_as_voicemesh_up_
         }
     own = env_of(deployment(rendered["default"], "llm"))
     assert "VOICEMESH_LLM_N_THREADS_BATCH" not in own, "without a shared node each pod keeps its own values"
+
+
+# ---- monitoring: PodMonitors, PrometheusRule, dashboard ---------------------------------------------------------
+
+
+def test_monitoring_objects_are_off_by_default(rendered):
+    kinds = {obj["kind"] for obj in rendered["default"].objects}
+    assert not kinds & {"PodMonitor", "PrometheusRule"}
+    assert not [c for c in find(rendered["default"].objects, "ConfigMap") if "voicemesh.json" in c.get("data", {})]
+
+
+def test_pod_monitors_scrape_with_the_token_metrics_wants(rendered):
+    for scenario, service_secret, gateway_secret in (
+        ("all-features", ("voicemesh-service-auth", "service-token"), ("voicemesh-gateway", "auth-token")),
+        ("secure", ("voicemesh-service-credentials", "service-token"), ("voicemesh-gateway-credentials", "auth-token")),
+    ):
+        result = rendered[scenario]
+        for component in ("asr", "llm", "tts", "gateway"):
+            monitor = one(result.objects, "PodMonitor", component_name(component))
+            endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+            credentials = endpoint["authorization"]["credentials"]
+            expected = gateway_secret if component == "gateway" else service_secret
+            assert (credentials["name"], credentials["key"]) == expected, (scenario, component)
+            assert endpoint["port"] == "metrics" and monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+            selected = pods_selected(result.objects, monitor["spec"]["selector"]["matchLabels"])
+            assert [d["metadata"]["name"] for d in selected] == [component_name(component)]
+            relabel = endpoint["relabelings"][0]
+            assert relabel["targetLabel"] == "component"
+
+
+def test_pod_monitor_of_a_jwt_only_gateway_needs_a_named_token():
+    overlays = [settings.CREDENTIALS, monitoring.OVERLAY]
+    jwt_only = {"gateway": {"auth": {"existingSecretKeys": {"token": "", "jwtKeys": "jwt-keys"}}}}
+    with pytest.raises(Exception, match=r"metrics\.podMonitor\.gatewayToken"):
+        render.render(overlays, set_values=jwt_only)
+    named = {"metrics": {"podMonitor": {"gatewayToken": {"secretName": "scrape", "key": "token"}}}}
+    result = render.render(overlays, set_values=render.deep_merge(jwt_only, named))
+    endpoint = one(result.objects, "PodMonitor", component_name("gateway"))["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["authorization"]["credentials"] == {"name": "scrape", "key": "token"}
+    auth_off = render.render([monitoring.OVERLAY], set_values=AUTH_OFF)
+    assert (
+        "authorization"
+        not in one(auth_off.objects, "PodMonitor", component_name("asr"))["spec"]["podMetricsEndpoints"][0]
+    )
+
+
+def test_rules_record_what_the_issue_asks_and_alert_where_tls_is_on(rendered):
+    def names(result):
+        return {
+            rule.get("record") or rule.get("alert") for g in monitoring.prometheus_rules(result) for rule in g["rules"]
+        }
+
+    secure, plain = names(rendered["secure"]), names(rendered["all-features"])
+    for quantile in ("p50", "p95", "p99"):
+        assert f"voicemesh:turn_v2v_seconds:{quantile}_rate5m" in plain
+    assert {"voicemesh:queue_wait_seconds:p99_rate5m", "voicemesh:compute_seconds:p99_rate5m"} <= plain
+    alerts = {"VoicemeshV2VBudgetBurnFast", "VoicemeshV2VBudgetBurnSlow", "VoicemeshStageErrors",
+              "VoicemeshStageSaturated", "VoicemeshStageQueueing", "VoicemeshNoHealthyReplica"}  # fmt: skip
+    assert alerts <= plain and "VoicemeshCertificateExpiring" not in plain
+    assert alerts | {"VoicemeshCertificateExpiring"} <= secure
+
+
+def test_slo_budget_and_bucket_are_settings():
+    slo = {"metrics": {"prometheusRule": {"slo": {"v2vSeconds": "1.0", "objective": 0.995}}}}
+    result = render.render([settings.CREDENTIALS, monitoring.OVERLAY], set_values=slo)
+    rules = {r.get("record") or r.get("alert"): r for g in monitoring.prometheus_rules(result) for r in g["rules"]}
+    assert 'le="1.0"' in rules["voicemesh:turn_v2v_slo_errors:ratio_rate1h"]["expr"]
+    fast = rules["VoicemeshV2VBudgetBurnFast"]["expr"]
+    assert "ratio_rate1h > 0.072" in fast and "ratio_rate6h > 0.03" in fast  # 14.4 and 6 times a 0.5% budget
+    assert not monitoring.monitoring_problems(result)
+    with pytest.raises(Exception, match="objective must lie between 0 and 1"):
+        render.render(
+            [settings.CREDENTIALS, monitoring.OVERLAY],
+            set_values={"metrics": {"prometheusRule": {"slo": {"objective": 1}}}},
+        )
+
+
+def test_every_shipped_query_names_an_exported_metric(rendered):
+    for scenario in ("all-features", "secure"):
+        queries = monitoring.shipped_queries(rendered[scenario])
+        kinds = {where.split()[0] for where, _ in queries}
+        assert kinds == {"rule", "dashboard", "ScaledObject"} or scenario == "secure"
+        assert not monitoring.monitoring_problems(rendered[scenario])
+    exported = monitoring.exported_metrics()
+    assert {"voicemesh_turn_v2v_seconds_bucket", "voicemesh_errors_total", "voicemesh_serving"} <= exported
+    assert "voicemesh_turns_created" in exported and "voicemesh_turns_total_total" not in exported
+
+
+def test_a_query_naming_an_unexported_metric_fails_the_check():
+    typo = {
+        "asr": {"keda": {"enabled": True, "triggers": [{"query": "sum(voicemesh_asr_queue_depth)", "threshold": "1"}]}}
+    }
+    result = render.render([settings.CREDENTIALS, monitoring.OVERLAY], set_values=typo)
+    problems = monitoring.monitoring_problems(result)
+    assert problems == [
+        "ScaledObject voicemesh-asr: voicemesh_asr_queue_depth is neither a metric the code exports (voicemesh, "
+        "gateway, services) nor a recording rule of the chart"
+    ]
+    known = monitoring.exported_metrics() | monitoring.chart_recordings()
+    assert monitoring.query_problems("x", 'rate(voicemesh_turn_v2v_seconds_bucket{le="1.25"}[5m])', known) == [
+        "x: voicemesh_turn_v2v_seconds_bucket has no bucket le='1.25'"
+    ]
+    assert "does not parse" in monitoring.query_problems("x", "sum(rate(voicemesh_turns_total[5m]", known)[0]
+    # A rule file with an unexported metric is found the same way (the scenario check runs this on every render).
+    bad = {"kind": "PrometheusRule", "metadata": {}, "spec": {"groups": [{"name": "g", "rules": [
+        {"alert": "Typo", "expr": "voicemesh_turn_v2v_second_count > 0"}]}]}}  # fmt: skip
+    result.objects.append(bad)
+    assert any("rule Typo: voicemesh_turn_v2v_second_count" in p for p in monitoring.monitoring_problems(result))
+
+
+def test_dashboard_is_built_from_code_and_committed_fresh(rendered):
+    config = next(c for c in find(rendered["all-features"].objects, "ConfigMap") if "voicemesh.json" in c["data"])
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    model = json.loads(config["data"]["voicemesh.json"])
+    assert model == dashboard.build() and model["uid"] == dashboard.UID
+    titles = {title for title, _ in dashboard.panel_queries(model)}
+    for wanted in ("V2V p50 / p95 / p99", "Stage split p99 (upload / queue / compute / downlink)", "Sessions",
+                   "LLM batch occupancy", "LLM tokens per second", "ASR and TTS real-time factor",
+                   "Failovers by stage", "Errors by stage"):  # fmt: skip
+        assert wanted in titles
+    assert monitoring.generated_files_check().ok, monitoring.generated_files_check().failures
+
+
+def test_custom_resources_are_validated_strictly():
+    monitor = {"apiVersion": monitoring.API_VERSION, "kind": "PodMonitor", "metadata": {"name": "m"},
+               "spec": {"selector": {}, "podMetricsEndpoints": [{"port": "metrics", "bearerTokenSecret": 3}]}}  # fmt: skip
+    failures, _ = schema.validate_objects([monitor])
+    assert failures and "bearerTokenSecret" in failures[0]
+    rule = {"apiVersion": monitoring.API_VERSION, "kind": "PrometheusRule", "metadata": {"name": "r"},
+            "spec": {"groups": [{"name": "g", "rules": [{"alert": "A", "expr": "up", "forr": "5m"}]}]}}  # fmt: skip
+    failures, _ = schema.validate_objects([rule])
+    assert failures and "forr" in failures[0]

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from . import keda
+from . import keda, monitoring
 from .dockerfiles import dockerfiles_check
 from .lint import lint_yaml
 from .policy import checkov_check
@@ -38,12 +38,15 @@ def scenario_check(scenario: str, overlays: tuple[str, ...], out_dir: Path) -> C
     validation, kinds = validate_objects(rendered.objects)
     check.failures += [f"schema: {f}" for f in validation]
     check.failures += [f"wiring: {p}" for p in wiring_problems(rendered)]
+    check.failures += [f"monitoring: {p}" for p in monitoring.monitoring_problems(rendered)]
     manifests = manifest_files(rendered)
     check.failures += [f"yamllint: {p}" for p in lint_yaml({f"{scenario}/{n}": t for n, t in manifests.items()})]
     out_dir.mkdir(parents=True)
     for name, text in manifests.items():
         (out_dir / name).write_text(text)
-    against = f"Kubernetes {KUBERNETES_VERSION}" + (f" and KEDA {keda.KEDA_VERSION}" if kinds[keda.KIND] else "")
+    against = f"Kubernetes {KUBERNETES_VERSION}" + (f", KEDA {keda.KEDA_VERSION}" if kinds[keda.KIND] else "")
+    if kinds["PrometheusRule"] or kinds["PodMonitor"]:
+        against += f", Prometheus Operator {monitoring.OPERATOR_VERSION}"
     check.summary = f"{len(rendered.objects)} objects valid against {against} (strict): " + ", ".join(
         f"{n} {k}" for k, n in sorted(kinds.items())
     )
@@ -68,6 +71,8 @@ def run_all(keep: Path | None = None, with_checkov: bool = True) -> list[Check]:
             out_dir = workdir / "rendered" / scenario
             results.append(_timed(lambda s=scenario, o=overlays, d=out_dir: scenario_check(s, o, d)))
         results.append(_timed(values_lint_check))
+        results.append(_timed(monitoring.generated_files_check))
+        results.append(_timed(monitoring.promtool_check))
         results.append(_timed(dockerfiles_check))
         if with_checkov:
             results.append(_timed(lambda: checkov_check([workdir / "rendered", IMAGES_DIR])))

@@ -50,7 +50,7 @@ _ANNOTATIONS = frozenset({"title", "description", "default"})
 _NULL = {"type": "null"}
 
 
-def _strict(schema: dict[str, Any]) -> dict[str, Any]:
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """The JSON schema an API server with strict field validation applies (like kubeconform -strict).
 
     pydantic writes `Optional[X] = None` as "X or null" and leaves unknown fields allowed (the models ignore
@@ -62,11 +62,11 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
         if key in _ANNOTATIONS:
             continue
         if key in ("properties", "$defs", "patternProperties"):
-            strict[key] = {name: _strict(sub) for name, sub in value.items()}
+            strict[key] = {name: strict_schema(sub) for name, sub in value.items()}
         elif key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-            strict[key] = [_strict(sub) for sub in value if sub != _NULL]
+            strict[key] = [strict_schema(sub) for sub in value if sub != _NULL]
         elif key in ("items", "additionalProperties", "not") and isinstance(value, dict):
-            strict[key] = _strict(value)
+            strict[key] = strict_schema(value)
         else:
             strict[key] = value
     if len(strict.get("anyOf", ())) == 1:
@@ -79,7 +79,7 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
 @cache
 def scaled_object_schema() -> dict[str, Any]:
     """The strict CRD schema and VOICEMESH_RULES, both of which an object must satisfy (JSON schema 2020-12)."""
-    crd = _strict(ScaledObject.model_json_schema(by_alias=True, mode="validation"))
+    crd = strict_schema(ScaledObject.model_json_schema(by_alias=True, mode="validation"))
     definitions = crd.pop("$defs", {})
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema",

@@ -1,4 +1,5 @@
-"""Strict schema validation of rendered objects: kubernetes-validate, and KEDA's CRD for ScaledObjects."""
+"""Strict schema validation of rendered objects: kubernetes-validate, KEDA's CRD for ScaledObjects and the Prometheus
+Operator's CRDs for PodMonitors and PrometheusRules."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import jsonschema
 import kubernetes_validate
 from jsonschema.protocols import Validator
 
-from . import keda
+from . import keda, monitoring
 from .objects import object_id
 from .settings import KUBERNETES_VERSION
 
 #: Custom resources kubernetes-validate has no schema for: (apiVersion, kind) -> their validator.
 CUSTOM_RESOURCES: dict[tuple[str, str], Callable[[], Validator]] = {
     (keda.API_VERSION, keda.KIND): keda.validator,
+    **monitoring.validators(),
 }
 
 

@@ -26,8 +26,8 @@ SCENARIOS: dict[str, tuple[str, ...]] = {
     "default": (CREDENTIALS,),
     "cpu-small": ("values-cpu-small.yaml", CREDENTIALS),
     "gpu": ("values-gpu.yaml",),
-    "all-features": ("ci/values-all-features.yaml",),
-    "secure": ("ci/values-secure.yaml",),
+    "all-features": ("ci/values-all-features.yaml", "ci/values-observability.yaml"),
+    "secure": ("ci/values-secure.yaml", "ci/values-observability.yaml"),
 }
 
 #: values.yaml keys whose children are user-defined (no typo check below them).
@@ -40,6 +40,7 @@ FREE_FORM_KEYS = frozenset(
         "podAnnotations",
         "podLabels",
         "annotations",
+        "labels",
         "podSecurityContext",
         "containerSecurityContext",
     }

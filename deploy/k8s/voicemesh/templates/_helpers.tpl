@@ -541,3 +541,31 @@ true
 {{- end }}
 {{- end }}
 {{- end -}}
+
+{{/*
+The Secret key a scrape of a component's /metrics presents as its bearer token, as YAML {name, key}; empty
+while that component's auth is off. ASR, LLM and TTS want the service token; the gateway a client token.
+*/}}
+{{- define "voicemesh.metricsCredentials" -}}
+{{- $v := .root.Values -}}
+{{- if ne .component "gateway" -}}
+{{- if $v.serviceAuth.enabled -}}
+name: {{ include "voicemesh.serviceAuthSecretName" .root }}
+key: {{ include "voicemesh.serviceAuthSecretKey" .root }}
+{{- end -}}
+{{- else if $v.gateway.auth.enabled -}}
+{{- $given := $v.metrics.podMonitor.gatewayToken -}}
+{{- if $given.secretName -}}
+name: {{ $given.secretName }}
+key: {{ required "metrics.podMonitor.gatewayToken.key is needed with its secretName" $given.key }}
+{{- else if and $v.gateway.existingSecret $v.gateway.auth.existingSecretKeys.token -}}
+name: {{ $v.gateway.existingSecret }}
+key: {{ $v.gateway.auth.existingSecretKeys.token }}
+{{- else if and (not $v.gateway.existingSecret) $v.gateway.auth.token -}}
+name: {{ include "voicemesh.gatewaySecretName" .root }}
+key: auth-token
+{{- else -}}
+{{- fail "the gateway accepts JWTs only, so its PodMonitor has no static token to scrape with: put a long-lived token in a Secret and name it in metrics.podMonitor.gatewayToken (secretName, key)" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
