@@ -70,6 +70,8 @@ class PhoneCall:
     echo_marks: bool = True
     """Echo each mark once its audio played; False plays a carrier that never does."""
     received: list[Heard] = field(default_factory=list)
+    echoed: list[Heard] = field(default_factory=list)
+    """The marks this carrier sent back, as it sent them (cleared ones too: a carrier returns those on `clear`)."""
     closed: asyncio.Event = field(default_factory=asyncio.Event)
     close_code: int | None = None
     _http: aiohttp.ClientSession | None = None
@@ -242,6 +244,7 @@ class PhoneCall:
     def _echo(self, name: str) -> None:
         self._pending_marks.pop(name, None)
         if self._ws is not None and not self._ws.closed:
+            self.echoed.append(Heard("mark", epoch_us(), name=name))
             echo = asyncio.ensure_future(self.send_message(self._mark(name)))
             self._echoes.add(echo)
             echo.add_done_callback(self._echoes.discard)
