@@ -13,10 +13,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from voicemesh import console
+from voicemesh import console, observe
 from voicemesh.audio import read_wav, write_wav
 from voicemesh.clients import Credentials
-from voicemesh.mesh import DEFAULT_PORTS, Mesh, wait_healthy
+from voicemesh.mesh import DEFAULT_PORTS, Mesh, free_port, wait_healthy
 from voicemesh.tls import ClientTls, local_certificates
 
 SERVICES = ("asr", "llm", "tts", "gateway")
@@ -55,13 +55,16 @@ async def _up(args: argparse.Namespace) -> None:
     log_dir: str | None = args.log_dir or (tempfile.mkdtemp(prefix="voicemesh-logs-") if human else None)
     mesh = Mesh(log_dir=log_dir)
     ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port, "gateway": args.gateway_port}
+    observers = observe.Observers(args.prometheus_port, args.otlp_port) if args.observe else None
+    metrics_ports = {name: free_port() for name in ports} if observers else None
+    os.environ.update(observers.before_mesh() if observers else {})  # the mesh's processes inherit OTEL_*
     certs, service_token = None, ""
     if args.tls:  # TLS on every hop, mutual to the services, which also want a token; the CA is printed
         certs = local_certificates(Path(tempfile.mkdtemp(prefix="voicemesh-tls-")))
         service_token = secrets.token_urlsafe(24)
     # What was heard and replied goes into the gateway's turn log only here, for the person at the terminal.
     gateway_args = ["--log-transcripts=true"] if human else []
-    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token, cpus=args.cpus)
+    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token, args.cpus, metrics_ports)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a supervisor's SIGTERM stops the children too
@@ -69,6 +72,12 @@ async def _up(args: argparse.Namespace) -> None:
     print("starting ASR, LLM, TTS and the gateway, each its own process (models load in a few seconds)...", flush=True)
     try:
         await mesh.wait()
+        if observers and metrics_ports:
+            scrapes = [
+                observe.Target(name, f"127.0.0.1:{port}", "" if name == "gateway" else service_token)
+                for name, port in metrics_ports.items()
+            ]
+            await asyncio.to_thread(observers.after_mesh, scrapes)
         scheme, tls_flag = ("https", f" --tls-ca {certs.ca_file}") if certs else ("http", "")
         print(
             f"web page:    {scheme}://localhost:{args.http_port}/  (microphone; WebRTC with WebSocket fallback)\n"
@@ -78,6 +87,7 @@ async def _up(args: argparse.Namespace) -> None:
             f"(gRPC{', TLS' if certs else ''}, SERVING)\n"
             + (f"TLS:         CA {certs.ca_file} (trust it in the browser to use the page)\n" if certs else "")
             + (f"logs:        {log_dir}/{{asr,llm,tts,gateway}}.log (JSON)\n" if log_dir else "")
+            + "".join(f"{line}\n" for line in (observers.lines if observers else []))
             + "Ctrl-C stops everything.\n",
             flush=True,
         )
@@ -88,6 +98,8 @@ async def _up(args: argparse.Namespace) -> None:
         await asyncio.gather(*watchers)
     finally:
         mesh.stop_all()
+        if observers:
+            observers.stop()
         print("stopped.", flush=True)
 
 
@@ -313,6 +325,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     up.add_argument("--json-logs", action="store_true", help="the services' JSON logs on the terminal, not a summary")
     up.add_argument("--tls", action="store_true", help="TLS on every hop (a throwaway CA; mutual TLS to the services)")
+    up.add_argument(
+        "--observe",
+        action="store_true",
+        help="also start Prometheus (the chart's rules) and an OpenTelemetry collector where installed; prints where to look",
+    )
+    up.add_argument("--prometheus-port", type=int, default=9090, help="Prometheus's web port with --observe")
+    up.add_argument("--otlp-port", type=int, default=4317, help="the collector's OTLP/gRPC port with --observe")
     up.add_argument(
         "--cpus",
         type=positive_int,

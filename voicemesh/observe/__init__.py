@@ -9,6 +9,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -16,6 +17,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from voicemesh.mesh import free_port
 
 HERE = Path(__file__).resolve().parent
 RULES_FILE = HERE / "rules.yml"
@@ -195,3 +198,44 @@ def stopping(processes: dict[str, subprocess.Popen[bytes]]) -> Iterator[dict[str
         yield processes
     finally:
         stop(processes)
+
+
+class Observers:
+    """`voicemesh up --observe`: the collector before the mesh starts (its processes read OTEL_* from the
+    environment), Prometheus once the mesh serves; `lines` says where to look, or what to install."""
+
+    def __init__(self, prometheus_port: int, otlp_port: int) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="voicemesh-observe-"))
+        self.prometheus_port = prometheus_port
+        self.otlp_port = otlp_port
+        self.processes: dict[str, subprocess.Popen[bytes]] = {}
+        self.lines: list[str] = []
+
+    def before_mesh(self) -> dict[str, str]:
+        """Start the collector if installed; returns the environment the mesh's processes need to reach it."""
+        if collector_binary() is None:
+            self.lines.append("traces:      no collector installed (pip install 'voicemesh[observe]')")
+            return {}
+        self.processes["collector"] = start_collector(self.directory, self.otlp_port, free_port())
+        self.lines.append(
+            f"traces:      OTLP/gRPC to rotel on 127.0.0.1:{self.otlp_port}; each span in {self.directory}/collector.log"
+        )
+        return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{self.otlp_port}"}
+
+    def after_mesh(self, targets: list[Target]) -> None:
+        """Start Prometheus on the mesh's /metrics (if installed) and wait until it answers."""
+        if prometheus_binary() is None:
+            self.lines.append("metrics:     no Prometheus installed (Debian: apt-get install prometheus)")
+            return
+        config = prometheus_config(targets, self.directory, interval_s=5.0)
+        self.processes["prometheus"] = start_prometheus(config, self.directory, self.prometheus_port)
+        base = f"http://127.0.0.1:{self.prometheus_port}"
+        wait_ready(base, self.processes["prometheus"])
+        self.lines += [
+            f"dashboard:   {graph_url(base, dashboard_queries())}",
+            f"alerts:      {base}/alerts  (rules: the chart's, from {RULES_FILE})",
+            f"targets:     {base}/targets",
+        ]
+
+    def stop(self) -> None:
+        stop(self.processes)

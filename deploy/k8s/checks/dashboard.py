@@ -25,8 +25,6 @@ NS = 'namespace=~"$namespace"'
 #: Grafana's variables, as a Prometheus without Grafana reads them (the local `voicemesh up --observe`, checks).
 VARIABLES = {"$namespace": ".*", "$__rate_interval": "5m"}
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
-#: The stages of a turn's critical path the stage-split panel shows (voicemesh/stages.py names them).
-CRITICAL_PATH = "upload|endpoint|asr_queue|asr_compute|llm_queue|llm_first_token|tts_queue|tts_first_audio|downlink"
 
 # (row, [(panel title, unit, [(query, legend)])]): each panel a time series.
 PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
@@ -54,7 +52,7 @@ PANELS: list[tuple[str, list[tuple[str, str, list[tuple[str, str]]]]]] = [
             (
                 "Stage split p99 (upload / queue / compute / downlink)",
                 "s",
-                [(f'voicemesh:turn_stage_seconds:p99_rate5m{{{NS}, stage=~"{CRITICAL_PATH}"}}', "{{stage}}")],
+                [(f"voicemesh:turn_stage_seconds:p99_rate5m{{{NS}}}", "{{stage}}")],
             ),
             (
                 "Queue and compute p99 per stage",
