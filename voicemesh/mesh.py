@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -222,15 +223,21 @@ def _ephemeral_range() -> tuple[int, int]:
 def _start_local_mesh(log_prefix: str, door: str) -> tuple[Mesh, str]:
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
     ports = {name: free_port() for name in DEFAULT_PORTS}
-    http_port = free_port() if door == "ws" else -1
-    mesh.start_local(ports, http_port=http_port)
-    return mesh, f"127.0.0.1:{http_port if door == 'ws' else ports['gateway']}"
+    http_door = door in ("ws", "twilio")
+    http_port = free_port() if http_door else -1
+    phone = [f"--twilio-auth-token={LOCAL_TWILIO_AUTH_TOKEN}"] if door == "twilio" else []
+    mesh.start_local(ports, http_port=http_port, gateway_args=phone)
+    return mesh, f"127.0.0.1:{http_port if http_door else ports['gateway']}"
+
+
+# The Twilio auth token of a local mesh's phone door (`door` "twilio"), which this process's test carrier signs with.
+LOCAL_TWILIO_AUTH_TOKEN = secrets.token_urlsafe(24)
 
 
 @contextlib.contextmanager
 def local_mesh(log_prefix: str = "voicemesh-", door: str = "grpc") -> Iterator[str]:
     """ASR, LLM, TTS and a gateway as processes on free loopback ports; yields the gateway's gRPC target, or with
-    `door` "ws" its HTTP door (otherwise not started). For synchronous code; `started_local_mesh` in a loop."""
+    `door` "ws" or "twilio" its HTTP door (otherwise not started; "twilio" opens its phone door). For synchronous code; `started_local_mesh` in a loop."""
     mesh, target = _start_local_mesh(log_prefix, door)
     try:
         asyncio.run(mesh.wait(timeout_s=240))

@@ -85,6 +85,11 @@ class PhoneCall:
     stream_id: str = field(default_factory=lambda: "MZ" + secrets.token_hex(16))
 
     @property
+    def marks_pending(self) -> int:
+        """Marks received whose audio has not played yet (not echoed yet)."""
+        return len(self._pending_marks)
+
+    @property
     def session_id(self) -> str:
         """The gateway's session for this call."""
         return f"{self.carrier.kind}-{self.call_id}"

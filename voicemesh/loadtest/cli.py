@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 
 from voicemesh.clients import PLAINTEXT, Credentials
 from voicemesh.loadtest.capacity import DEFAULT_BUDGET_MS, sweep
-from voicemesh.loadtest.driver import loadtest
+from voicemesh.loadtest.driver import loadtest, local_target
 from voicemesh.loadtest.options import LoadTestError, LoadTestOptions, check_options
 from voicemesh.loadtest.report import format_summary, format_sweep
 from voicemesh.mesh import started_local_mesh
@@ -53,6 +54,7 @@ def options_from_args(args: argparse.Namespace, credentials: Credentials = PLAIN
         "turn_timeout_s": args.turn_timeout_s,
         "allow_remote": args.allow_remote,
         "credentials": credentials,
+        "twilio_auth_token": os.environ.get("VOICEMESH_GATEWAY_TWILIO_AUTH_TOKEN"),
     }
     return dataclasses.replace(LoadTestOptions(), **{name: value for name, value in given.items() if value is not None})
 
@@ -68,7 +70,7 @@ async def command(args: argparse.Namespace, credentials: Credentials = PLAINTEXT
         check_options(dataclasses.replace(options, target="127.0.0.1:1"))  # bad flags: refused before the mesh
         print("starting a local mesh for the test (ASR, LLM, TTS, gateway)...", file=sys.stderr, flush=True)
         async with started_local_mesh("voicemesh-loadtest-", door=options.transport) as target:
-            return await _run(args, dataclasses.replace(options, target=target), levels)
+            return await _run(args, local_target(options, target), levels)
     except LoadTestError as error:
         print(f"loadtest: {error}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from voicemesh.conversation import (
     UserTranscript,
     speech_end_sent_us,
 )
+from voicemesh.conversation_phone import PhoneConversationClient
 from voicemesh.conversation_ws import WebSocketConversationClient
 from voicemesh.loadtest.clips import RATE_HZ, SpeechClip, load_clips
 from voicemesh.loadtest.html_report import render_report
@@ -42,7 +43,7 @@ from voicemesh.loadtest.report import (
     TurnRow,
     build_report,
 )
-from voicemesh.mesh import local_mesh
+from voicemesh.mesh import LOCAL_TWILIO_AUTH_TOKEN, local_mesh
 from voicemesh.v1 import conversation_pb2
 
 log = logging.getLogger(__name__)
@@ -205,10 +206,12 @@ class _Session:
             if self.rendezvous is not None:
                 self.rendezvous.leave(self.index)
 
-    def _open_client(self) -> ConversationClient | WebSocketConversationClient:
+    def _open_client(self) -> ConversationClient | WebSocketConversationClient | PhoneConversationClient:
         config = conversation_pb2.SessionConfig(
             session_id=self.session_id, input_sample_rate_hz=RATE_HZ, output_sample_rate_hz=RATE_HZ
         )
+        if self.options.transport == "twilio":
+            return PhoneConversationClient(self.options.target, config, self.options.twilio_auth_token)
         if self.options.transport == "ws":
             return WebSocketConversationClient(self.options.target, config, credentials=self.options.credentials)
         # No reconnects: a dropped call is a failure the load test must count, not hide.
@@ -224,7 +227,7 @@ class _Session:
         for turn in unfinished:
             turn.fail(status, detail)
 
-    async def _send(self, client: ConversationClient | WebSocketConversationClient) -> None:
+    async def _send(self, client: ConversationClient | WebSocketConversationClient | PhoneConversationClient) -> None:
         pacer = Pacer()
         for number, (turn, clip) in enumerate(zip(self.turns, self.plan, strict=True)):
             if self.rendezvous is not None:
@@ -251,7 +254,9 @@ class _Session:
                     await pacer.wait()
                     client.send(SILENCE_FRAME)
 
-    async def _receive(self, client: ConversationClient | WebSocketConversationClient) -> None:
+    async def _receive(
+        self, client: ConversationClient | WebSocketConversationClient | PhoneConversationClient
+    ) -> None:
         try:
             async for event in client.events():
                 if isinstance(event, UserTranscript) and event.final:
@@ -359,7 +364,14 @@ def on_target(options: LoadTestOptions, run: Callable[[LoadTestOptions], Corouti
     if options.target:
         return asyncio.run(run(options))
     with local_mesh("voicemesh-loadtest-", door=options.transport) as target:
-        return asyncio.run(run(dataclasses.replace(options, target=target)))
+        return asyncio.run(run(local_target(options, target)))
+
+
+def local_target(options: LoadTestOptions, target: str) -> LoadTestOptions:
+    """The options aimed at a local mesh this process started (whose Twilio door knows the local token)."""
+    return dataclasses.replace(
+        options, target=target, twilio_auth_token=options.twilio_auth_token or LOCAL_TWILIO_AUTH_TOKEN
+    )
 
 
 def run_loadtest(options: LoadTestOptions, out_dir: str | Path | None = None) -> LoadTestReport:

@@ -10,7 +10,7 @@ from voicemesh.mesh import DEFAULT_PORTS
 
 MAX_SESSIONS = 512
 MAX_TURNS = 100
-TRANSPORTS = ("grpc", "ws")
+TRANSPORTS = ("grpc", "ws", "twilio")
 ARRIVALS = ("staggered", "sync")
 
 
@@ -32,7 +32,8 @@ class LoadTestOptions:
     audio: tuple[str, ...] = ()
     """WAV files or directories of them (every *.wav); sessions cycle through them, each starting elsewhere."""
     transport: str = "grpc"
-    """`grpc` (Conversation.Converse) or `ws` (the WebSocket door /api/ws, as a browser page speaks it)."""
+    """`grpc` (Conversation.Converse), `ws` (the WebSocket door /api/ws, as a browser page speaks it) or `twilio`
+    (the phone door, calls placed as Twilio places them: `target` is the HTTP door)."""
     ramp_s: float = 1.0
     """Session starts are spread evenly over this long (`staggered` arrival)."""
     arrival: str = "staggered"
@@ -52,6 +53,8 @@ class LoadTestOptions:
     """Seed of the pauses, so two runs pause alike."""
     credentials: Credentials = field(default=PLAINTEXT, repr=False)
     """TLS and token to reach the gateway with; never written to the report."""
+    twilio_auth_token: str = field(default="", repr=False)
+    """The gateway's twilio_auth_token, which the test carrier signs its webhooks with (`transport` twilio)."""
 
 
 def is_loopback(target: str) -> bool:
