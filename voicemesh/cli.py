@@ -57,14 +57,14 @@ async def _up(args: argparse.Namespace) -> None:
     ports = {"asr": args.asr_port, "llm": args.llm_port, "tts": args.tts_port, "gateway": args.gateway_port}
     observers = observe.Observers(args.prometheus_port, args.otlp_port) if args.observe else None
     metrics_ports = {name: free_port() for name in ports} if observers else None
-    os.environ.update(observers.before_mesh() if observers else {})  # the mesh's processes inherit OTEL_*
+    observe_env = observers.before_mesh() if observers else {}
     certs, service_token = None, ""
     if args.tls:  # TLS on every hop, mutual to the services, which also want a token; the CA is printed
         certs = local_certificates(Path(tempfile.mkdtemp(prefix="voicemesh-tls-")))
         service_token = secrets.token_urlsafe(24)
     # What was heard and replied goes into the gateway's turn log only here, for the person at the terminal.
     gateway_args = ["--log-transcripts=true"] if human else []
-    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token, args.cpus, metrics_ports)
+    mesh.start_local(ports, args.http_port, gateway_args, certs, service_token, args.cpus, metrics_ports, observe_env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a supervisor's SIGTERM stops the children too

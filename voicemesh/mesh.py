@@ -87,6 +87,7 @@ class Mesh:
         service_token: str = "",
         cpus: int | None = None,
         metrics_ports: Mapping[str, int] | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         """ASR, LLM and TTS, and a gateway wired to them (browser doors on `http_port`; -1 = none).
 
@@ -95,7 +96,7 @@ class Mesh:
 
         With `tls`, every gRPC port serves TLS: the services want the gateway's client certificate (mutual TLS)
         and `service_token`, and each process answers probes on a plaintext health-only port. `metrics_ports`: where
-        each process (by name) serves /metrics."""
+        each process (by name) serves /metrics; `env`: more variables for every process (OTEL_* ...)."""
         secure: list[str] = []
         if tls is not None:
             secure = [f"--tls-cert={tls.server.cert_file}", f"--tls-key={tls.server.key_file}"]
@@ -106,7 +107,9 @@ class Mesh:
                 args.append(f"--auth-token={service_token}")
             if metrics_ports:
                 args.append(f"--metrics-port={metrics_ports[name]}")
-            self._start_guarded(name, ports[name], args, tls is not None or bool(service_token), budget[name])
+            self._start_guarded(
+                name, ports[name], args, tls is not None or bool(service_token), {**budget[name], **(env or {})}
+            )
         targets = [f"--{name}-target=127.0.0.1:{ports[name]}" for name in STAGES]
         client = []
         if tls is not None:
@@ -120,7 +123,7 @@ class Mesh:
         if metrics_ports:
             client.append(f"--metrics-port={metrics_ports['gateway']}")
         gateway = [*targets, f"--http-port={http_port}", *secure, *client, *gateway_args]
-        self._start_guarded("gateway", ports["gateway"], gateway, tls is not None)
+        self._start_guarded("gateway", ports["gateway"], gateway, tls is not None, dict(env or {}))
 
     def _start_guarded(
         self, name: str, port: int, args: list[str], guarded: bool, env: dict[str, str] | None = None
