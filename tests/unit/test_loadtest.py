@@ -356,8 +356,9 @@ def test_report_counts_summarises_and_keeps_its_json_keys(tmp_path: Path) -> Non
     saved = json.loads(Path(report.files.json).read_text())
     assert set(saved) == REPORT_KEYS and saved["kind"] == "voicemesh.loadtest"
     assert "sekrit-token" not in Path(report.files.json).read_text() + Path(report.files.html).read_text()
-    # Every option but the credentials (a token must never land in a report file).
-    assert set(saved["config"]) == {f.name for f in dataclasses.fields(LoadTestOptions)} - {"credentials"} | {"clips"}
+    # Every option but the credentials and the carrier's token (a token must never land in a report file).
+    secrets = {"credentials", "twilio_auth_token"}
+    assert set(saved["config"]) == {f.name for f in dataclasses.fields(LoadTestOptions)} - secrets | {"clips"}
     assert set(saved["turns"]) == {"planned", "ok", "failed", "not_started", "failed_by_error"}
     assert set(saved["throughput"]) == {"ok_turns_per_min", "sessions_completed"}
     assert set(saved["machine"]) == {"host", "cpus", "python"}

@@ -158,7 +158,7 @@ class LoadTestReport:
 
     def _options_json(self) -> dict[str, object]:
         options = dataclasses.asdict(self.options)
-        del options["credentials"]  # a token must not land in a report file
+        del options["credentials"], options["twilio_auth_token"]  # a token must not land in a report file
         return options
 
     def to_json(self) -> dict[str, object]:
