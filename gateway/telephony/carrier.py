@@ -8,7 +8,9 @@ import binascii
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from xml.sax.saxutils import quoteattr
 
+from gateway.telephony.signatures import forbidden
 from voicemesh import g711
 from voicemesh.errors import invalid
 
@@ -86,6 +88,8 @@ class MediaStream:
 
     name = ""
     events = "connected, start, media, dtmf, mark and stop"
+    stream_attributes = ""
+    """The carrier's own attributes of <Stream> in the webhook's answer."""
 
     def parse(self, message: dict[str, Any]) -> CarrierEvent:
         """One stream message; raises INVALID_ARGUMENT naming what is wrong."""
@@ -117,12 +121,22 @@ class MediaStream:
         raise NotImplementedError
 
     def call_id(self, request: Webhook) -> str:
-        """The call a verified webhook announces (its stream token is bound to it)."""
-        raise NotImplementedError
+        """The call a verified webhook announces (its stream token is bound to it): both carriers' voice webhooks
+        (TwiML, and TeXML after it) name it CallSid."""
+        call_sid = request.form.get("CallSid", [""])[0]
+        if not call_sid:
+            raise forbidden("the voice webhook names no CallSid")
+        return call_sid
 
     def answer(self, stream_url: str, token: str) -> str:
-        """The webhook's answer: connect the call's audio to `stream_url`, handing the carrier `token`."""
-        raise NotImplementedError
+        """The webhook's answer: connect the call's audio to `stream_url` both ways, handing the carrier `token` as a
+        custom parameter of the stream."""
+        attributes = f" {self.stream_attributes}" if self.stream_attributes else ""
+        return (
+            '<?xml version="1.0" encoding="UTF-8"?><Response><Connect>'
+            f"<Stream url={quoteattr(stream_url)}{attributes}>"
+            f'<Parameter name="token" value={quoteattr(token)}/></Stream></Connect></Response>'
+        )
 
     def media(self, stream_id: str, audio: bytes) -> dict[str, Any]:
         raise NotImplementedError

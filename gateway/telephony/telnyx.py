@@ -5,7 +5,6 @@ out, PCMU or PCMA at 8 kHz. Its frames may arrive out of order; each media frame
 from __future__ import annotations
 
 from typing import Any
-from xml.sax.saxutils import quoteattr
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -21,7 +20,7 @@ from gateway.telephony.carrier import (
     number_field,
     text_field,
 )
-from gateway.telephony.signatures import forbidden, verify_telnyx
+from gateway.telephony.signatures import verify_telnyx
 from voicemesh.errors import invalid
 
 
@@ -34,6 +33,9 @@ class Telnyx(MediaStream):
     def __init__(self, public_key: Ed25519PublicKey, codec: str = "PCMU") -> None:
         self._key = public_key
         self.codec = codec
+        self.stream_attributes = (
+            f'track="inbound_track" codec="{codec}" bidirectionalMode="rtp" bidirectionalCodec="{codec}"'
+        )
 
     def verify(self, request: Webhook) -> None:
         verify_telnyx(
@@ -41,20 +43,6 @@ class Telnyx(MediaStream):
             request.headers.get("telnyx-timestamp", ""),
             request.body,
             request.headers.get("telnyx-signature-ed25519", ""),
-        )
-
-    def call_id(self, request: Webhook) -> str:
-        call_sid = request.form.get("CallSid", [""])[0]
-        if not call_sid:
-            raise forbidden("the TeXML webhook names no CallSid")
-        return call_sid
-
-    def answer(self, stream_url: str, token: str) -> str:
-        return (
-            '<?xml version="1.0" encoding="UTF-8"?><Response><Connect>'
-            f'<Stream url={quoteattr(stream_url)} track="inbound_track" codec="{self.codec}" '
-            f'bidirectionalMode="rtp" bidirectionalCodec="{self.codec}">'
-            f'<Parameter name="token" value={quoteattr(token)}/></Stream></Connect></Response>'
         )
 
     def start(self, message: dict[str, Any]) -> Start:

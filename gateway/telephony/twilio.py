@@ -4,7 +4,6 @@ connected/start/media/dtmf/mark/stop in and media/mark/clear out, μ-law at 8 kH
 from __future__ import annotations
 
 from typing import Any
-from xml.sax.saxutils import quoteattr
 
 from gateway.telephony.carrier import (
     MediaStream,
@@ -15,7 +14,7 @@ from gateway.telephony.carrier import (
     number_field,
     text_field,
 )
-from gateway.telephony.signatures import forbidden, verify_twilio
+from gateway.telephony.signatures import verify_twilio
 from voicemesh.errors import invalid
 
 ENCODINGS = {"audio/x-mulaw": "PCMU"}
@@ -26,25 +25,14 @@ class Twilio(MediaStream):
 
     name = "Twilio"
 
+    # <Stream url> takes no query string: the token goes as a custom parameter, which arrives in `start`.
+    stream_attributes = ""
+
     def __init__(self, auth_token: str) -> None:
         self._auth_token = auth_token
 
     def verify(self, request: Webhook) -> None:
         verify_twilio(self._auth_token, request.url, request.form, request.headers.get("X-Twilio-Signature", ""))
-
-    def call_id(self, request: Webhook) -> str:
-        call_sid = request.form.get("CallSid", [""])[0]
-        if not call_sid:
-            raise forbidden("the voice webhook names no CallSid")
-        return call_sid
-
-    def answer(self, stream_url: str, token: str) -> str:
-        # <Stream url> takes no query string: the token goes as a custom parameter, which arrives in `start`.
-        return (
-            '<?xml version="1.0" encoding="UTF-8"?><Response><Connect>'
-            f'<Stream url={quoteattr(stream_url)}><Parameter name="token" value={quoteattr(token)}/></Stream>'
-            "</Connect></Response>"
-        )
 
     def start(self, message: dict[str, Any]) -> Start:
         encoding = text_field(message, "start", "mediaFormat", "encoding")
