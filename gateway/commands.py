@@ -47,6 +47,15 @@ class CommitReply:
 
     reply_id: int
     user_text: str
+    announce: bool = True
+    """Tell the client the user's words (user_final); False when the client gave them itself (a typed turn)."""
+
+
+@dataclass(frozen=True)
+class HoldTurn:
+    """The user's turn is over with `user_text`, and no reply starts: the client asks for each reply itself."""
+
+    user_text: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +111,7 @@ Command = (
     | Prefill
     | CancelReply
     | CommitReply
+    | HoldTurn
     | PausePlayout
     | ResumePlayout
     | Interrupt

@@ -18,6 +18,35 @@ class HistoryEntry:
     interrupted: bool = False  # an assistant reply the user spoke over: `text` is only what was heard
 
 
+class TurnEntries:
+    """The history entries of a session's recent turns, so that a client can change what one of them says (what it
+    heard of a reply, a deleted line). Entries are found by identity: trimming the history moves them."""
+
+    KEPT_TURNS = 64
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, str], HistoryEntry] = {}
+
+    def note(self, turn_index: int, entry: HistoryEntry) -> None:
+        self._entries[(turn_index, entry.role)] = entry
+        while len(self._entries) > 2 * self.KEPT_TURNS:
+            self._entries.pop(next(iter(self._entries)))
+
+    def replace(self, history: list[HistoryEntry], turn_index: int, role: str, text: str | None) -> bool:
+        """Make the turn's `role` line say `text` (marked as cut short), or remove it (None); False if it is not in
+        the history (any more)."""
+        entry = self._entries.pop((turn_index, role), None)
+        index = next((i for i, kept in enumerate(history) if kept is entry), None)
+        if entry is None or index is None:
+            return False
+        if text is None or not text.strip():
+            del history[index]
+        else:
+            history[index] = HistoryEntry(role, text, interrupted=role == "assistant")
+            self._entries[(turn_index, role)] = history[index]
+        return True
+
+
 def trim_history(history: list[HistoryEntry], max_chars: int) -> None:
     """Past `max_chars` of text, drop the oldest turns (in place) down to half of it. Dropping half at once keeps the
     prompt's prefix, and so the LLM's prefix cache, the same for many turns, where dropping one turn at a time would

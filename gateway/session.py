@@ -14,12 +14,13 @@ import collections
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 
 import grpc
 
 from gateway import turn
 from gateway.backends import Backends
-from gateway.history import HistoryEntry, drop_oldest, prompt_messages, trim_history
+from gateway.history import HistoryEntry, TurnEntries, drop_oldest, prompt_messages, trim_history
 from gateway.links import AsrLink, TtsLink
 from gateway.options import SessionOptions
 from gateway.outbox import Outbox
@@ -79,6 +80,8 @@ class Session:
             buffer_whole_reply=pipeline.buffer_whole_reply,
         )
         self.turns = turn.TurnController(policy)
+        self.entries = TurnEntries()  # the history lines of recent turns, for a client that edits them
+        self.on_speech: Callable[[bool, float], None] | None = None  # (started, session audio ms): for a door
         self._closing = False
         self._replies: dict[int, Reply] = {}  # the live replies, by utterance id
         self.replies = self._replies
@@ -149,6 +152,24 @@ class Session:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
+    # ---- a client that asks for replies itself (the OpenAI Realtime door) -----------------------------------------
+    def reply_on_turns(self, on: bool) -> None:
+        """Off: a committed turn is only transcribed (user_final); the client asks for each reply with `respond`."""
+        self.turns.policy = dataclasses.replace(self.turns.policy, reply_to_turns=on)
+
+    def respond(self, user_text: str) -> int | None:
+        """Reply to `user_text` as a committed turn; its turn index, or None while a reply is current."""
+        turn_index = self.outbox.turn_index
+        commands = self.turns.on_user_text(user_text)
+        self._apply(commands)
+        return turn_index if commands else None
+
+    def cancel_reply(self) -> bool:
+        """Stop the current reply as a barge-in would (what was heard stays in the history); False if none."""
+        commands = self.turns.on_cancel()
+        self._apply(commands)
+        return bool(commands)
+
     # ---- events in -------------------------------------------------------------------------------------------
     @property
     def closing(self) -> bool:
@@ -167,6 +188,9 @@ class Session:
         kind = event.WhichOneof("event")
         self._last_event = event
         controller = self.turns
+        if kind in ("speech_started", "speech_stopped") and self.on_speech is not None:
+            started = kind == "speech_started"
+            self.on_speech(started, self.asr.base_ms + (event.speech_start_ms if started else event.speech_end_ms))
         if kind == "speech_started":
             commands = controller.on_speech_started(now_ms - self.asr.behind_ms(event.speech_start_ms))
         elif kind == "speech_stopped":
@@ -235,12 +259,14 @@ class Session:
                         reply.asr_event = self._last_event  # the decode whose words it answers, for the ASR stages
                 case turn.ScorePause(pause_id, probability):
                     self.asr.send_score(pause_id, probability)
-                case turn.CommitReply(reply_id, user_text):
+                case turn.CommitReply(reply_id, user_text, announce):
                     reply = self._replies.get(reply_id)
                     if reply is None:  # its stage failed in the meantime: the turn is over before it began
                         self._apply(self.turns.on_reply_failed(reply_id))
                     else:
-                        self._commit(reply, user_text)
+                        self._commit(reply, user_text, announce)
+                case turn.HoldTurn(user_text):
+                    self.outbox.emit(user_final=conversation_pb2.Transcript(text=user_text))
                 case turn.PausePlayout():
                     self.playout.pause()
                     log.info("playout paused: speech over the reply", extra={"session_id": self.options.session_id})
@@ -293,9 +319,10 @@ class Session:
         run = ReplyRun(reply, command, self)
         reply.llm_task = asyncio.ensure_future(self.outbox.supervised("llm", run.run))
 
-    def _commit(self, reply: Reply, user_text: str) -> None:
+    def _commit(self, reply: Reply, user_text: str, announce: bool = True) -> None:
         """The user's turn is final: the reply becomes the current one and may be heard."""
-        self.outbox.emit(user_final=conversation_pb2.Transcript(text=user_text))
+        if announce:
+            self.outbox.emit(user_final=conversation_pb2.Transcript(text=user_text))
         self.recorder.committed(reply, self._last_event or asr_pb2.RecognizeEvent())
         reply.committed = True
         reply.confirmed.set()
@@ -303,6 +330,7 @@ class Session:
         reply.turn_index = self.outbox.turn_index
         self.outbox.turn_index += 1
         self.history.append(HistoryEntry("user", user_text))
+        self.entries.note(reply.turn_index, self.history[-1])
         self._current = reply
         self._idle.clear()
         if reply.text:
@@ -355,6 +383,7 @@ class Session:
         text = " ".join(reply.spoken_chunks)
         if text:
             self.history.append(HistoryEntry("assistant", text, interrupted))
+            self.entries.note(reply.turn_index, self.history[-1])
         if self.history_max_chars:
             trim_history(self.history, self.history_max_chars)
         tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens  # the next prompt, but for its question

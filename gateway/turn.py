@@ -25,6 +25,7 @@ from gateway.commands import (
     CommitReply,
     ConfirmReply,
     EndTurn,
+    HoldTurn,
     Interrupt,
     PausePlayout,
     Prefill,
@@ -44,6 +45,7 @@ __all__ = [
     "CommitReply",
     "ConfirmReply",
     "EndTurn",
+    "HoldTurn",
     "Interrupt",
     "PausePlayout",
     "Prefill",
@@ -97,6 +99,9 @@ class TurnPolicy:
     """Words of a reply its listener waits for before the first audio (PipelineOptions.urgent_words)."""
     buffer_whole_reply: bool = False
     """Baseline: the whole reply is written before it is synthesized, so a reply started on a partial is not held."""
+    reply_to_turns: bool = True
+    """A committed turn starts its reply; off, it is only held (HoldTurn) and the client asks for each reply
+    (`on_user_text`), as an OpenAI Realtime client does with turn detection off or create_response false."""
 
 
 def held_reply_tokens(urgent_words: int) -> int:
@@ -229,6 +234,9 @@ class TurnController:
         if not words_of(text) and not self._continues:
             return commands + self._drop_speculative()  # noise: no reply
         whole = self._whole(text)
+        if not self.policy.reply_to_turns:
+            self._continues = ""
+            return [*commands, *self._drop_speculative(), HoldTurn(whole)]
         if self.speculative is not None and self._answers(whole):
             reply_id = self.speculative[0]
             self.speculative, self.started_on_partial = None, False
@@ -239,6 +247,24 @@ class TurnController:
         self.current, self._current_text, self._heard, self._continues = reply_id, whole, False, ""
         commands.append(CommitReply(reply_id, whole))
         return commands
+
+    def on_user_text(self, text: str) -> list[Command]:
+        """The client asked for a reply to `text` (typed, or turns it held): a committed turn of its own, refused
+        (no commands) while a reply is current."""
+        if self.current is not None or not words_of(text):
+            return []
+        reply_id = self._next_id()
+        commands = [*self._drop_speculative(), *self._start(reply_id, text, speculative=False)]
+        self.current, self._current_text, self._heard, self._continues = reply_id, text, False, ""
+        return [*commands, CommitReply(reply_id, text, announce=False)]
+
+    def on_cancel(self) -> list[Command]:
+        """The client cancelled the current reply: it stops as a barge-in would, keeping what was heard."""
+        if self.current is None:
+            return []
+        reply_id, self.current, self._overlap = self.current, None, None
+        self._scoring.pop(reply_id, None)
+        return [Interrupt(reply_id)]
 
     def on_asr_restarted(self) -> list[Command]:
         """The ASR stream was replaced (its replica failed) and the new one hears the utterance in progress again:
