@@ -1,7 +1,9 @@
 """The real programs an operator runs, on one local mesh with auth on: Debian's Prometheus scrapes every process with
 its token and evaluates the chart's rules (every recording rule and every dashboard query returns data after a few
 spoken turns; a scrape without the token is a down target with a 401), and a real OpenTelemetry collector (rotel)
-receives a turn's trace over OTLP/gRPC from all four processes, forwarding it to a receiver the test reads."""
+receives a turn's trace over OTLP/gRPC from every process that records its spans (gateway, LLM, TTS; the ASR's
+queue and compute spans are the gateway's, from the timings the ASR sends), forwarding it to a receiver the test
+reads."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from voicemesh.clients import Credentials
 from voicemesh.conversation import talk
 from voicemesh.mesh import DEFAULT_PORTS, Mesh
 from voicemesh.stages import SPAN_NAMES
+from voicemesh.telemetry import LATENCY_BUCKETS_S
 
 pytestmark = pytest.mark.integration
 
@@ -106,10 +109,12 @@ async def test_every_recording_rule_and_dashboard_query_returns_data(observed: O
         return [q for q in [*rules, *(item["expr"] for item in queries)] if not observe.query(observed.prometheus, q)]
 
     await _until("no data from Prometheus for", empty)
-    # The numbers are the mesh's: V2V p99 over these turns lies within their slowest turn's bucket.
+    # The numbers are the mesh's: V2V p99 over these turns lies in the bucket of the slowest (one bucket of slack:
+    # the client's V2V adds the downlink to the gateway's).
     p99 = float(observe.query(observed.prometheus, "voicemesh:turn_v2v_seconds:p99_rate5m")[0]["value"][1])
-    assert 0 < p99 <= 10
-    assert max(observed.v2v_ms) / 1000 <= p99 * 2 or p99 >= 1.5, (p99, observed.v2v_ms)
+    buckets = (0.0, *LATENCY_BUCKETS_S)
+    slowest = next(i for i, bound in enumerate(buckets) if bound >= max(observed.v2v_ms) / 1000)
+    assert buckets[max(0, slowest - 2)] <= p99 <= buckets[min(slowest + 1, len(buckets) - 1)], (p99, observed.v2v_ms)
     turns = observe.query(observed.prometheus, "sum(voicemesh_turns_total)")
     assert float(turns[0]["value"][1]) >= len(CLIPS)
     serving = observe.query(observed.prometheus, "voicemesh:serving_replicas:sum")
@@ -128,7 +133,7 @@ def test_a_scrape_without_the_token_is_a_down_target_with_a_401(observed: Observ
     assert not observe.query(observed.prometheus, 'ALERTS{alertname="VoicemeshNoHealthyReplica"}')
 
 
-async def test_the_collector_receives_a_turn_trace_from_all_four_processes(observed: Observed) -> None:
+async def test_the_collector_receives_a_turn_trace_across_processes(observed: Observed) -> None:
     def incomplete() -> list[str]:
         traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for span in observed.spans:
@@ -142,7 +147,7 @@ async def test_the_collector_receives_a_turn_trace_from_all_four_processes(obser
     for span in observed.spans:
         traces[span["trace_id"]].append(span)
     trace = next(t for t in traces.values() if {"turn", *SPAN_NAMES} <= {s["name"] for s in t})
-    assert {s["service"] for s in trace} == {f"voicemesh-{name}" for name in ("gateway", "asr", "llm", "tts")}
+    assert {s["service"] for s in trace} == {f"voicemesh-{name}" for name in ("gateway", "llm", "tts")}
     spans = {s["name"]: s for s in trace}
     turn = spans["turn"]
     assert turn["parent_id"] is None
