@@ -77,7 +77,7 @@ TURN_SCORES = Counter(
 TURN_SCORES_VETOED = Counter(
     "voicemesh_turn_scores_vetoed_total",
     "Language-model turn-end scores the ASR overruled with the long wait, by why it doubted the transcript "
-    "(ends_in_filler, fillers_only, low_confidence, no_speech, one_unsure_word, no_words)",
+    "(ends_in_filler, fillers_only, low_confidence, one_unsure_word, no_words)",
     ["reason"],
 )
 TURN_END_SCORES = Counter(
@@ -117,9 +117,9 @@ FAILOVERS = Counter(
     "Work moved off a failed, hung or draining replica, by stage (asr: the utterance replayed; llm: the reply "
     "continued; tts: the unspoken rest synthesized again)",
     ["stage"],
+)
 for _stage in ("asr", "llm", "tts"):  # a zero rate, not no data, until the first failover
     FAILOVERS.labels(_stage)
-)
 REPLAYED_FRAMES = Counter("voicemesh_asr_replayed_frames_total", "Audio frames replayed to a new ASR stream")
 WAITING = Gauge("voicemesh_waiting_requests", "Requests waiting for a worker or slot now", ["service"])
 SERVING = Gauge("voicemesh_serving", "1 while this process's health check says SERVING (model loaded, not draining)")
