@@ -15,7 +15,8 @@ its TurnController: partial transcripts are prefilled into the real Gemma engine
 endpoint candidate starts a speculative reply, and its P(turn end) goes back to the stream as a TurnScore, at once
 when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
 on speaking, competing for the cores as it would live. `llm_probe` is the same with the LLM's learned probe as
-its turn-end scorer (`turn_end_scorer=probe`). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
+its turn-end scorer (`turn_end_scorer=probe`); `llm_fused` and `llm_probe_fused` fuse the LLM's score with the
+draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
 (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
@@ -50,6 +51,7 @@ from bench import print_result
 from gateway.turn import CancelReply, Command, Prefill, StartReply, TurnController, TurnPolicy, held_reply_tokens
 from services.asr.completeness import SmartTurn, TurnScorer, text_completeness
 from services.asr.engine import Transcriber
+from services.asr.fusion import TurnEndFusion, TurnEndFusions
 from services.asr.server import AsrSettings, RecognizerServicer
 from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad
@@ -87,6 +89,7 @@ class Policy(NamedTuple):
     prefill_scores: bool = True  # with prefill: a candidate whose words a prefill scored takes that score at once
     start_on_partials: bool = True  # with prefill: a partial whose prefill scores finished starts the reply at once
     scorer: str = ""  # with llm: the LLM's turn-end scorer (turn_end_scorer); empty: the configured one
+    fused: bool = False  # with llm: its score fused with the ASR's confidence and the audio's (turn_fusion)
 
 
 POLICIES = {
@@ -95,6 +98,8 @@ POLICIES = {
     "audio_text": Policy(EndpointingPolicy(), True, False),
     "llm": Policy(EndpointingPolicy(), False, True),
     "llm_probe": Policy(EndpointingPolicy(), False, True, scorer="probe"),  # the learned probe
+    "llm_fused": Policy(EndpointingPolicy(), True, True, fused=True),  # turn_model=smart-turn, turn_fusion=SCORER
+    "llm_probe_fused": Policy(EndpointingPolicy(), True, True, scorer="probe", fused=True),
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
@@ -298,8 +303,8 @@ def _piper() -> PiperEngine:
 class RecordingScorer(TurnScorer):
     """The real scorer, also keeping each signal apart so the bench can say how each one did."""
 
-    def __init__(self, audio_model: SmartTurn | None) -> None:
-        super().__init__(audio_model)
+    def __init__(self, audio_model: SmartTurn | None, learned: TurnEndFusion | None = None) -> None:
+        super().__init__(audio_model, learned=learned)
         self.records: list[PauseScores] = []
 
     def fuse(self, audio_score: float | None, text: str) -> float | None:
@@ -599,8 +604,13 @@ async def measure(
     asr.load()
     assert asr.transcriber is not None
     transcriber = asr.transcriber
-    scorers = {False: RecordingScorer(None), True: RecordingScorer(SmartTurn(threads=1))}
+    smart_turn = SmartTurn(threads=1)
+    scorers = {(False, ""): RecordingScorer(None), (True, ""): RecordingScorer(smart_turn)}
     llm_settings = config.build(LlmSettings, "llm", env=env)
+    for name in policies:
+        if POLICIES[name].fused:
+            text = POLICIES[name].scorer or llm_settings.turn_end_scorer
+            scorers[(True, text)] = RecordingScorer(smart_turn, TurnEndFusions.load().pick(text, audio=True))
     llms: dict[str, LlmScorer] = {}
     for scorer_name in {POLICIES[p].scorer or llm_settings.turn_end_scorer for p in policies if POLICIES[p].llm}:
         engine = build_engine(dataclasses.replace(llm_settings, turn_end_scorer=scorer_name))  # as the service does
@@ -613,8 +623,9 @@ async def measure(
     for utterance in utterances:  # policies interleaved per utterance: drift in machine load hits both alike
         for name in policies:
             policy = POLICIES[name]
-            scorer = scorers[policy.audio]
-            llm = llms[policy.scorer or llm_settings.turn_end_scorer] if policy.llm else None
+            text = policy.scorer or llm_settings.turn_end_scorer
+            scorer = scorers[(policy.audio, text if policy.fused else "")]
+            llm = llms[text] if policy.llm else None
             outcome = await run_one(utterance, policy, asr, scorer, llm)
             per_policy[name].append(outcome)
     for name, outcomes in per_policy.items():

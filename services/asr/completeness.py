@@ -19,6 +19,8 @@ import onnxruntime
 from faster_whisper.feature_extractor import FeatureExtractor
 
 from services.asr.engine import Transcript
+from services.asr.fusion import TurnEndFusion, features_of
+from voicemesh.endpointing import lm_completeness
 from voicemesh.evaluation import words_of
 
 SAMPLE_RATE_HZ = 16000
@@ -42,13 +44,12 @@ the hums ("mm", "hmm"), which are whole answers too ("Mm-hmm.")."""
 
 LOW_CONFIDENCE_LOGPROB = -1.0
 """Whisper's own threshold (its `log_prob_threshold`): a decode whose tokens average below it is not to be trusted."""
-NO_SPEECH = 0.6
-"""Whisper's own `no_speech_threshold`: above it the decoder itself thinks the audio held no speech."""
 
 
 def doubted(transcript: Transcript) -> str | None:
     """Why a draft transcript cannot be taken for a finished sentence, whatever a language model makes of its words
-    (None: nothing against it). A garbled, empty or filler-only line must never take the short wait."""
+    (None: nothing against it). A garbled, empty or filler-only line must never take the short wait. Whisper's
+    no-speech probability is no reason: at a pause it is as high after finished lines as inside them (0037)."""
     words = words_of(transcript.text)
     if not words:
         return "no_words"
@@ -58,8 +59,6 @@ def doubted(transcript: Transcript) -> str | None:
         return "ends_in_filler"
     if transcript.avg_logprob and transcript.avg_logprob < LOW_CONFIDENCE_LOGPROB:
         return "low_confidence"
-    if transcript.no_speech_prob > NO_SPEECH:
-        return "no_speech"
     if len(words) == 1 and transcript.words and transcript.words[-1].probability < 0.5:
         return "one_unsure_word"
     return None
@@ -152,9 +151,12 @@ class TurnScorer:
     """Scores pauses for every stream of a server: the audio model on a thread of its own (so it runs beside the
     Whisper draft decode rather than behind it), then the fusion with the draft's transcript."""
 
-    def __init__(self, audio_model: SmartTurn | None, fusion: Fusion | None = None) -> None:
+    def __init__(
+        self, audio_model: SmartTurn | None, fusion: Fusion | None = None, learned: TurnEndFusion | None = None
+    ) -> None:
         self.audio_model = audio_model
         self.fusion = fusion or Fusion()
+        self.learned = learned
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="turn-score")
 
     async def audio_score(self, audio: np.ndarray) -> float | None:
@@ -164,6 +166,15 @@ class TurnScorer:
 
     def fuse(self, audio_score: float | None, text: str) -> float | None:
         return self.fusion.score(audio_score, text_completeness(text))
+
+    def with_language_model(self, transcript: Transcript, probability: float, audio_score: float | None) -> float:
+        """The completeness of a pause a language model scored `probability` (common scale), from that score alone or,
+        with a learned fusion, fused with the draft's confidence and the audio model's score (when it is in)."""
+        learned = self.learned
+        if learned is None or (learned.uses_audio and audio_score is None):
+            return lm_completeness(probability)
+        values = features_of(transcript, learned.text_scorer, probability, audio_score)
+        return learned.completeness(learned.logit(values))
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

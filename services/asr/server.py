@@ -13,6 +13,7 @@ import numpy as np
 
 from services.asr.completeness import SmartTurn, TurnScorer
 from services.asr.engine import Transcriber, TranscriberCapabilities
+from services.asr.fusion import TEXT_SCORERS, TurnEndFusions
 from services.asr.stream import RecognitionStream
 from services.asr.vad import SAMPLE_RATE_HZ, StreamingVad, load_session
 from services.asr.whisper_engine import WhisperTranscriber, model_dir_from
@@ -56,6 +57,12 @@ class AsrSettings(config.ServerSettings):
         "end-of-turn score at each pause: text (the draft transcript's ending; no extra CPU) or smart-turn (the "
         "Smart Turn v3.2 audio model fused 1:3 with the text; it costs CPU at every pause, so give the pod a core "
         "more; docs/decisions/0005)",
+    )
+    turn_fusion: str = config.setting(
+        "",
+        "fuse the LLM's turn-end score with the draft's confidence (and, with turn_model=smart-turn, the audio "
+        "model's score) by the fit on that text scorer in services/asr/turn_fusion.json: the LLM's turn_end_scorer, "
+        "probe or line_end; empty: the LLM's score alone (docs/decisions/0040)",
     )
     turn_model_threads: int = config.setting(
         1, "onnxruntime threads of the end-of-turn model; 1 leaves the other core to Whisper's decode"
@@ -134,12 +141,21 @@ class RecognizerServicer(asr_pb2_grpc.RecognizerServicer):
     def load(self) -> None:
         if self.settings.turn_model not in ("smart-turn", "text"):
             raise ValueError(f"turn_model={self.settings.turn_model!r} unknown; use smart-turn or text")
+        if self.settings.turn_fusion not in ("", *TEXT_SCORERS):
+            raise ValueError(
+                f"turn_fusion={self.settings.turn_fusion!r} unknown; use {' or '.join(TEXT_SCORERS)}, or ''"
+            )
         # Before the models load: a bad setting fails at once.
         cpus.check_nice(self.settings.partial_nice, "partial_nice")
         audio_model = (
             SmartTurn(threads=self.settings.turn_model_threads) if self.settings.turn_model == "smart-turn" else None
         )
-        self.scorer = TurnScorer(audio_model)
+        learned = (
+            TurnEndFusions.load().pick(self.settings.turn_fusion, audio_model is not None)
+            if self.settings.turn_fusion
+            else None
+        )
+        self.scorer = TurnScorer(audio_model, learned=learned)
         self.vad_session = load_session()
         transcriber = WhisperTranscriber(
             model_dir_from(self.settings.model_dir),

@@ -78,6 +78,7 @@ class RecognitionStream:
         self._stabilizer = LocalAgreement()
         self._loudness = Loudness()
         self._scorer = None if policy.fixed_hangover else scorer
+        self._audio_score: tuple[int, float] | None = None  # the audio model's score of the newest pause scored
         self._score_ms: dict[int, float] = {}  # pause id -> time its completeness score took
         self._pause_started_ns = 0  # when the open pause's first silent window was seen
         self._last_partial_ms = 0
@@ -166,6 +167,8 @@ class RecognitionStream:
         async def score() -> None:
             try:
                 audio_score = await scorer.audio_score(audio)
+                if audio_score is not None:
+                    self._audio_score = (pause_id, audio_score)
                 text = (await draft).result.text if draft is not None else ""
                 completeness = scorer.fuse(audio_score, text)
             except Exception:
@@ -206,9 +209,13 @@ class RecognitionStream:
         completeness = lm_completeness(score.probability)
         draft = self._draft
         if draft is not None and draft.done() and not draft.cancelled() and draft.exception() is None:
+            transcript = draft.result().result
+            audio = self._audio_score
+            audio_score = audio[1] if audio is not None and audio[0] == score.pause_id else None
+            completeness = self._scorer.with_language_model(transcript, score.probability, audio_score)
             # The ASR's own doubt vetoes a finished-sounding score: a line ending in a filler (the speaker is
             # thinking), only fillers, a garbled decode or no speech at all never takes the short wait.
-            reason = doubted(draft.result().result)
+            reason = doubted(transcript)
             if reason is not None:
                 telemetry.TURN_SCORES_VETOED.labels(reason).inc()
                 completeness = min(completeness, INCOMPLETE_AT)

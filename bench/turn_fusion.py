@@ -1,0 +1,322 @@
+"""End of turn with its signals fused: false cut-offs against dead air for each signal alone and fused, the fusion
+fitted on one split of spoken pauses and checked on the others. `python -m bench.turn_fusion --sgd DIR [--write]`.
+
+Spoken pauses. User lines of real dialogue (the Schema-Guided Dialogue dataset: `fit` from its dev split, `check`
+from its test split, no line of either seen by the probe's fit) read by Piper at three speeds, each clean, 20 dB
+quieter, with noise at 15 dB SNR, or through the 8 kHz phone band; each cut at its end (finished) and at two word
+ends inside it (the speaker goes on). The real recordings of ../shared/audio (`real`, never fitted on) at their end and
+at every word end. At each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper
+tiny.en, as the ASR decodes it), Smart Turn's P on the same audio, and the LLM's P(turn end) of the decoded words
+after the dialogue so far, by both turn-end scorers, on the common scale the LLM replicas send.
+
+Reported, per signal alone and fused: the wait each point gets when the score maps linearly onto the policy's
+64-1200 ms between two points of the score, for the pairs that minimise the finished points' mean wait at each bound
+on the inside points committing within 600 ms, chosen on `fit` and applied to `check` and `real`; and the LLM's score
+alone at its shipped calibration (`shipped`: the mesh without turn_fusion). `--write` stores each fusion at the
+fewest fit cut-offs whose finished median wait is at most 400 ms in services/asr/turn_fusion.json (what the ASR's
+`turn_fusion` setting loads). The points are cached under --work: a second run only fits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+
+from bench import print_result
+from bench.turns import CLIPS, speech_end_ms
+from services.asr.completeness import SmartTurn, doubted
+from services.asr.engine import WordTiming
+from services.asr.fusion import FUSION_PATH, TurnEndFusion, TurnEndFusions
+from services.asr.whisper_engine import WhisperTranscriber
+from services.llm.engine import Engine, GenerationRequest, Message
+from services.llm.server import LlmSettings, build_engine
+from services.llm.turn_probe_data import Dialogue, clean, sgd_dialogues
+from voicemesh import config
+from voicemesh.audio import resample
+from voicemesh.endpointing import EndpointingPolicy, lm_completeness
+
+SCORERS = ("probe", "line_end")
+SPEEDS = (0.9, 1.0, 1.15)
+"""Piper's reading resampled to these speeds: a higher or lower voice as well as a faster or slower one."""
+CONDITIONS = ("clean", "clean", "quiet20", "noise15", "phone8k")
+INSIDE_PER_LINE = 2
+CONTEXT_LINES = 4
+"""Earlier lines of the dialogue the LLM sees before the user's line, as the live history would hold them."""
+CUT_BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2)
+"""Bounds on the share of inside points committing within 600 ms: one operating point per bound."""
+CHOSEN_WAIT_MS = 400
+"""The point written with --write: the fewest inside commits within 600 ms whose finished points wait at most this
+long at the median, on the fit split (a long wait for every unsure pause is no answer: it is dead air after most
+finished turns)."""
+
+
+def _lines(dialogues: list[Dialogue], count: int, seed: str) -> list[tuple[list[Message], str]]:
+    """One user line of each of `count` dialogues (4-24 words), with the lines before it as context."""
+    rng = random.Random(seed)
+    picked: list[tuple[list[Message], str]] = []
+    for dialogue in dialogues:
+        users = [i for i, (role, text) in enumerate(dialogue.lines) if role == "user" and 4 <= len(text.split()) <= 24]
+        if not users:
+            continue
+        index = rng.choice(users)
+        context = [Message(role, clean(text)) for role, text in dialogue.lines[max(0, index - CONTEXT_LINES) : index]]
+        picked.append((context, clean(dialogue.lines[index][1])))
+        if len(picked) == count:
+            break
+    return picked
+
+
+def _condition(audio: np.ndarray, condition: str, rng: np.random.Generator) -> np.ndarray:
+    if condition == "quiet20":
+        return (audio * 0.1).astype(np.float32)
+    if condition == "noise15":
+        rms = float(np.sqrt(np.mean(audio**2)))
+        return (audio + rng.standard_normal(len(audio)) * rms * 10 ** (-15 / 20)).astype(np.float32)
+    if condition == "phone8k":
+        return resample(resample(audio, 16000, 8000), 8000, 16000).astype(np.float32)
+    return audio
+
+
+TAIL_S = 0.12
+"""Audio kept after a word's end: the VAD's windows before it calls the silence, so a last sound is never cut."""
+
+
+def _end_of_speech(audio: np.ndarray, words: list[WordTiming]) -> int:
+    """The sample a finished utterance's pause starts at: after its last sound and its last word, plus the tail."""
+    end_s = max(speech_end_ms(audio, 16000) / 1000, words[-1].end_s if words else 0.0) + TAIL_S
+    return min(len(audio), int(end_s * 16000))
+
+
+def _word_end(words: list[WordTiming], k: int) -> int:
+    """The sample a pause after word `k` (1-based) starts at: the tail after it, unless the next word starts first."""
+    end_s = words[k - 1].end_s
+    return int(max(end_s + 0.03, min(end_s + TAIL_S, words[k].start_s)) * 16000)
+
+
+class Collector:
+    """The engines a pause's signals come from, loaded once."""
+
+    def __init__(self) -> None:
+        self.transcriber = WhisperTranscriber(cpu_threads=2)
+        self.smart_turn = SmartTurn(threads=1)
+        self.llms: dict[str, Engine] = {}
+
+    async def start(self) -> None:
+        for scorer in SCORERS:
+            settings = dataclasses.replace(config.build(LlmSettings, "llm"), turn_end_scorer=scorer)
+            self.llms[scorer] = build_engine(settings)
+            await self.llms[scorer].start()
+
+    async def close(self) -> None:
+        for engine in self.llms.values():
+            await engine.close()
+
+    async def point(self, split: str, name: str, context: list[Message], audio: np.ndarray, finished: bool) -> dict:
+        """Every signal at a pause after `audio` (16 kHz, ending where the speech stops)."""
+        tail = np.concatenate([audio, np.zeros(512, dtype=np.float32)])  # the 32 ms silent window of a candidate
+        draft = self.transcriber.transcribe(tail)
+        point: dict[str, object] = {
+            "split": split,
+            "name": name,
+            "finished": finished,
+            "text": draft.text,
+            "avg_logprob": draft.avg_logprob,
+            "no_speech_prob": draft.no_speech_prob,
+            "doubted": doubted(draft),
+            "audio": self.smart_turn.probability(tail),
+        }
+        for scorer, engine in self.llms.items():
+            text = draft.text.strip()
+            if not text:
+                point[scorer] = 0.0
+                continue
+            request = GenerationRequest(f"{name}-{scorer}", [*context, Message("user", text)], 1, score_turn_end=True)
+            scores = [c.turn_end async for c in engine.generate(request) if c.turn_end is not None]
+            raw = scores[0]
+            point[scorer] = engine.turn_end_calibration.standard(raw)
+        return point
+
+
+async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
+    """Every point of every split."""
+    from bench.turns import _piper_says
+
+    collector = Collector()
+    await collector.start()
+    rng = np.random.default_rng(5)
+    points: list[dict] = []
+    try:
+        for split, source in (("fit", "dev"), ("check", "test")):
+            dialogues = list(sgd_dialogues(sgd / source))
+            random.Random(f"fusion-{source}").shuffle(dialogues)
+            for index, (context, line) in enumerate(_lines(dialogues, lines_per_split, split)):
+                speed = SPEEDS[index % len(SPEEDS)]
+                condition = CONDITIONS[index % len(CONDITIONS)]
+                speech = resample(_piper_says(line), int(16000 * speed), 16000)
+                words = collector.transcriber.transcribe(speech).words
+                speech = speech[: _end_of_speech(speech, words)]
+                audio = _condition(speech, condition, rng)
+                name = f"{split}{index:03d}-{condition}-x{speed:g}"
+                points.append(await collector.point(split, name, context, audio, True))
+                ends = list(range(1, len(words)))
+                for k in sorted(random.Random(name).sample(ends, min(INSIDE_PER_LINE, len(ends)))):
+                    points.append(
+                        await collector.point(split, f"{name}/{k}", context, audio[: _word_end(words, k)], False)
+                    )
+        for clip in sorted(CLIPS.glob("*.wav")):
+            from voicemesh.audio import read_wav
+
+            audio = read_wav(clip).to_rate(16000).samples
+            words = collector.transcriber.transcribe(audio).words
+            audio = audio[: _end_of_speech(audio, words)]
+            points.append(await collector.point("real", clip.stem, [], audio, True))
+            for k in range(1, len(words)):
+                points.append(
+                    await collector.point("real", f"{clip.stem}/{k}", [], audio[: _word_end(words, k)], False)
+                )
+    finally:
+        await collector.close()
+    return points
+
+
+def waits(z: np.ndarray, vetoed: np.ndarray, high: float, low: float, policy: EndpointingPolicy) -> np.ndarray:
+    """The hangover each score gets when `high` maps to the short wait and `low` to the long one (a vetoed point:
+    the long one), as the ASR applies a fusion's operating point."""
+    unsure = np.clip((high - z) / (high - low), 0.0, 1.0)
+    unsure[vetoed] = 1.0
+    return np.round(policy.min_hangover_ms + unsure * (policy.max_hangover_ms - policy.min_hangover_ms))
+
+
+def outcome(w: np.ndarray, finished: np.ndarray) -> dict[str, float]:
+    done, inside = w[finished], w[~finished]
+    return {
+        "finished_wait_ms_p50": float(np.median(done)),
+        "finished_wait_ms_p90": float(np.percentile(done, 90)),
+        "finished_at_short_wait": round(float(np.mean(done <= 64)), 3),
+        **{f"inside_within_{ms}ms": round(float(np.mean(inside < ms)), 3) for ms in (200, 400, 600)},
+    }
+
+
+def curve(fusion: TurnEndFusion, points: dict[str, list[dict]], policy: EndpointingPolicy) -> list[dict[str, object]]:
+    """Per bound on the fit split's inside-within-600 ms share, the operating point that gives the fit split's
+    finished points the lowest mean wait, and what it does on every split."""
+    scored = {
+        split: (fusion.logits(ps), np.array([p["finished"] for p in ps]), _vetoed(ps)) for split, ps in points.items()
+    }
+    z, finished, vetoed = scored["fit"]
+    grid = np.percentile(z, np.linspace(2, 98, 49))
+    rows = []
+    for bound in CUT_BOUNDS:
+        best: tuple[float, float, float] | None = None
+        for high in grid:
+            for low in grid[grid < high]:
+                w = waits(z, vetoed, high, low, policy)
+                if np.mean(w[~finished] < 600) > bound:
+                    continue
+                mean = float(np.mean(w[finished]))
+                if best is None or mean < best[0]:
+                    best = (mean, float(high), float(low))
+        if best is None:
+            continue
+        _, high, low = best
+        rows.append(
+            {
+                "bound": bound,
+                "high": round(high, 4),
+                "low": round(low, 4),
+                **{split: outcome(waits(z_, v_, high, low, policy), f_) for split, (z_, f_, v_) in scored.items()},
+            }
+        )
+    return rows
+
+
+def _shipped_waits(points: list[dict], scorer: str, policy: EndpointingPolicy) -> np.ndarray:
+    """The waits the LLM's score alone gives (no fusion), with the ASR's veto, as the mesh runs without turn_fusion."""
+    waits = [policy.hangover_for(lm_completeness(p[scorer])) for p in points]
+    return np.where(_vetoed(points), policy.max_hangover_ms, np.array(waits))
+
+
+def _finished(points: list[dict]) -> np.ndarray:
+    return np.array([p["finished"] for p in points])
+
+
+def _vetoed(points: list[dict]) -> np.ndarray:
+    return np.array([p["doubted"] is not None for p in points])
+
+
+def signals() -> dict[str, tuple[str, ...]]:
+    """Each signal alone, then the fusions (names of FEATURES)."""
+    return {
+        "text_line_end": ("line_end",),
+        "text_probe": ("probe",),
+        "audio": ("audio",),
+        "asr_confidence": ("avg_logprob",),
+        "line_end+confidence": ("line_end", "avg_logprob"),
+        "probe+confidence": ("probe", "avg_logprob"),
+        "line_end+audio+confidence": ("line_end", "audio", "avg_logprob"),
+        "probe+audio+confidence": ("probe", "audio", "avg_logprob"),
+    }
+
+
+def run(sgd: Path, lines_per_split: int, work: Path, write: bool) -> dict[str, object]:
+    cache = work / "points.jsonl"
+    if cache.exists():
+        points = [json.loads(line) for line in cache.read_text().splitlines()]
+    else:
+        points = asyncio.run(collect(sgd, lines_per_split))
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_text("".join(json.dumps(p) + "\n" for p in points))
+    by_split: dict[str, list[dict]] = {}
+    for point in points:
+        by_split.setdefault(point["split"], []).append(point)
+    policy = EndpointingPolicy()
+    report: dict[str, object] = {
+        "points": {
+            s: {"finished": sum(p["finished"] for p in ps), "inside": sum(not p["finished"] for p in ps)}
+            for s, ps in by_split.items()
+        },
+    }
+    fits: dict[str, TurnEndFusion] = {}
+    curves: dict[str, object] = {}
+    for name, features in signals().items():
+        fusion = TurnEndFusion.fit(name, features, by_split["fit"])
+        fits[name] = fusion
+        curves[name] = {"weights": fusion.weights_by_name(), "curve": curve(fusion, by_split, policy)}
+    report["signals"] = curves
+    report["shipped"] = {
+        scorer: {split: outcome(_shipped_waits(ps, scorer, policy), _finished(ps)) for split, ps in by_split.items()}
+        for scorer in SCORERS
+    }
+    if write:
+        chosen = []
+        for name, fusion in fits.items():
+            if "+" not in name:
+                continue
+            row = next((r for r in curves[name]["curve"] if r["fit"]["finished_wait_ms_p50"] <= CHOSEN_WAIT_MS), None)
+            if row is not None:
+                chosen.append(dataclasses.replace(fusion, complete_at=row["high"], incomplete_at=row["low"]))
+        TurnEndFusions(tuple(chosen)).save(FUSION_PATH)
+        report["written"] = str(FUSION_PATH)
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--sgd", type=Path, required=True, help="the Schema-Guided Dialogue dataset's directory")
+    parser.add_argument("--lines", type=int, default=150, help="dialogue lines per split (default 150)")
+    parser.add_argument(
+        "--work", type=Path, default=Path.home() / ".cache" / "voicemesh" / "turn-fusion", help="points cache"
+    )
+    parser.add_argument("--write", action="store_true", help="store the fusions in services/asr/turn_fusion.json")
+    args = parser.parse_args()
+    print_result(run(args.sgd, args.lines, args.work, args.write))
+
+
+if __name__ == "__main__":
+    main()
