@@ -3,7 +3,8 @@
 One local mesh with its Twilio door open. V2V: the same clips spoken over gRPC (Conversation.Converse, 16 kHz) and
 over the phone door (`voicemesh loadtest --transport twilio`'s test carrier: 8 kHz μ-law, marks echoed as played),
 alternating door by round, one session at a time; V2V per turn = first reply audio received - send of the clip's
-last speech frame (the load test's own measure). WER: each clip transcribed by the ASR service wideband (16 kHz) and
+last speech frame (the load test's own measure: before the gateway's end of speech on gRPC, before the first reply
+audio on the phone, which tells the caller nothing else), and, one measure for both, from the clip's last frame. WER: each clip transcribed by the ASR service wideband (16 kHz) and
 as a phone carries it (8 kHz through G.711 μ-law and A-law), against its reference transcript.
 
 Prints JSON: per door V2V p50/p95 and turns, the phone's p50 less gRPC's against the +60 ms target; WER per clip and
@@ -90,6 +91,8 @@ async def word_error_rates(asr: str, names: Sequence[str]) -> dict[str, Any]:
 async def door_v2v(grpc_target: str, http_target: str, token: str, names: Sequence[str], rounds: int) -> dict[str, Any]:
     audio = tuple(str(clip_path(name)) for name in names)
     v2v: dict[str, list[float]] = {"grpc": [], "twilio": []}
+    # One measure for both doors: from the send of the clip's last frame (the clips end where their speech does).
+    from_clip_end: dict[str, list[float]] = {"grpc": [], "twilio": []}
     failed: dict[str, list[str]] = {"grpc": [], "twilio": []}
     for round_index in range(rounds):
         doors = ("grpc", "twilio") if round_index % 2 == 0 else ("twilio", "grpc")
@@ -107,6 +110,8 @@ async def door_v2v(grpc_target: str, http_target: str, token: str, names: Sequen
             for row in report.per_turn:
                 if row.ok and row.v2v_ms is not None:
                     v2v[door].append(row.v2v_ms)
+                    if row.first_audio_s is not None and row.clip_end_s is not None:
+                        from_clip_end[door].append(round((row.first_audio_s - row.clip_end_s) * 1000, 1))
                 else:
                     failed[door].append(f"{row.clip}: {row.status} {row.detail}"[:160])
     summary = {door: percentiles(values) for door, values in v2v.items()}
@@ -115,6 +120,7 @@ async def door_v2v(grpc_target: str, http_target: str, token: str, names: Sequen
         gap = round(float(np.percentile(v2v["twilio"], 50) - np.percentile(v2v["grpc"], 50)), 1)
     return {
         "v2v_ms": summary,
+        "from_clip_end_ms": {door: percentiles(values) for door, values in from_clip_end.items()},
         "phone_minus_grpc_p50_ms": gap,
         "target_gap_ms": TARGET_GAP_MS,
         "within_target": gap is not None and gap <= TARGET_GAP_MS,

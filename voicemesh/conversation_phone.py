@@ -3,24 +3,26 @@ can drive calls: 16 kHz frames in (sent as 8 kHz μ-law by a test carrier, voice
 carrier can know of out: the reply's audio, and a reply's end once its audio stopped and every mark came back.
 
 A phone door tells the caller nothing else (no transcripts, no gateway metrics): the TurnMetrics this client yields
-carries only the first reply audio's arrival, and speech_end_capture_us set to it, so a V2V counted from "the last
-speech frame sent no later than the server's end of speech" counts from the last speech frame before the reply."""
+carries only what a carrier knows, the arrival of the reply's first audio after the caller's last sound (audio of a
+reply the caller was talking over does not count), and, as speech_end_capture_us, when that last sound was sent."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from voicemesh.audio import StreamResampler, float_to_pcm16, pcm16_to_float
+from voicemesh.clients import epoch_us
 from voicemesh.conversation import ConversationFailed, Event, ReplyAudio, ReplyDone, Started, TurnMetrics
 from voicemesh.phone import PHONE_RATE_HZ, CallRefused, Carrier, PhoneCall
 from voicemesh.v1 import conversation_pb2
 
 REPLY_QUIET_S = 0.6  # no reply audio for this long, every mark back: the reply is over
+REPLY_PAUSE_US = 100_000  # media after a pause this long (or a clear) begins a reply
+VOICE_LEVEL = 64  # a frame with a sample above this (-54 dBFS) is the caller's sound, not the silence between turns
 POLL_S = 0.02
 
 
@@ -38,6 +40,7 @@ class PhoneConversationClient:
     _outbox: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
     _resampler: StreamResampler | None = None
     _turn: int = 0
+    _last_voice_us: int = 0
 
     async def __aenter__(self) -> PhoneConversationClient:
         self._call = PhoneCall(self.target, Carrier("twilio", self.auth_token), call_id=self.config.session_id or "CA")
@@ -51,6 +54,8 @@ class PhoneConversationClient:
     def send(self, pcm16: bytes) -> None:
         """Queue one frame of the caller's audio (sent as it would leave the phone: 8 kHz G.711)."""
         assert self._resampler is not None, "use `async with PhoneConversationClient(...)`"
+        if np.abs(np.frombuffer(pcm16, dtype="<i2")).max(initial=0) > VOICE_LEVEL:
+            self._last_voice_us = epoch_us()
         self._outbox.put_nowait(float_to_pcm16(self._resampler.process(pcm16_to_float(pcm16))))
 
     def close(self) -> None:
@@ -68,23 +73,35 @@ class PhoneConversationClient:
         writer = asyncio.ensure_future(self._write(call))
         seen = 0  # of call.received
         reply_started_us = 0
-        last_media_s = 0.0
+        after_voice_us = 0  # the first media since the caller's last sound
+        previous_media_us = 0
+        cleared = False
         try:
             while not (call.closed.is_set() and seen == len(call.received)):
                 for heard in call.received[seen:]:
                     seen += 1
+                    if heard.kind == "clear":
+                        cleared = True
                     if heard.kind != "media":
                         continue
-                    reply_started_us = reply_started_us or heard.at_us
-                    last_media_s = time.monotonic()
+                    # A reply begins after the caller's last sound, after a pause in the audio or a clear: media of a
+                    # reply the caller talked over is not the answer to what they said.
+                    after_voice = heard.at_us > self._last_voice_us
+                    if after_voice and not after_voice_us:
+                        after_voice_us = heard.at_us
+                    pause = not previous_media_us or heard.at_us - previous_media_us > REPLY_PAUSE_US
+                    if after_voice and (pause or cleared) and not reply_started_us:
+                        reply_started_us = heard.at_us
+                    previous_media_us, cleared = heard.at_us, False
                     yield ReplyAudio(self._turn, heard.pcm16, PHONE_RATE_HZ, "", 0, heard.at_us, 0)
-                quiet = time.monotonic() - last_media_s > REPLY_QUIET_S and call.marks_pending == 0
-                if reply_started_us and quiet:
+                quiet = epoch_us() - previous_media_us > REPLY_QUIET_S * 1e6 and call.marks_pending == 0
+                if after_voice_us and quiet:
+                    first_audio_us = reply_started_us or after_voice_us
                     yield ReplyDone(self._turn, "")
-                    server = conversation_pb2.TurnMetrics(speech_end_capture_us=reply_started_us)
-                    yield TurnMetrics(self._turn, server, reply_started_us)
+                    server = conversation_pb2.TurnMetrics(speech_end_capture_us=self._last_voice_us)
+                    yield TurnMetrics(self._turn, server, first_audio_us)
                     self._turn += 1
-                    reply_started_us = 0
+                    reply_started_us = after_voice_us = 0
                 if writer.done():
                     writer.result()
                     return  # hung up
