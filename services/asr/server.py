@@ -62,7 +62,7 @@ class AsrSettings(config.ServerSettings):
         "",
         "fuse the LLM's turn-end score with the draft's confidence (and, with turn_model=smart-turn, the audio "
         "model's score) by the fit on that text scorer in services/asr/turn_fusion.json: the LLM's turn_end_scorer, "
-        "probe or line_end; empty: the LLM's score alone (docs/decisions/0040)",
+        "probe or line_end; empty: the LLM's score alone (docs/decisions/0037)",
     )
     turn_model_threads: int = config.setting(
         1, "onnxruntime threads of the end-of-turn model; 1 leaves the other core to Whisper's decode"
