@@ -74,6 +74,7 @@ class RealtimeConversation:
         self.speech_item: Item | None = None  # the user's turn being spoken (server VAD)
         self.partial_sent = ""
         self.awaiting_final = False  # speech started whose transcript has not come
+        self.speaking = False
         self._event_ids = itertools.count()
         self._last_item_id: str | None = None
 
@@ -101,9 +102,12 @@ class RealtimeConversation:
 
     # ---- the user's side ---------------------------------------------------------------------------------------
     def speech(self, started: bool, audio_ms: float) -> list[Event]:
-        """The VAD's speech start or stop; told to the client only with turn detection on."""
+        """The VAD's speech start or stop (each told once, in pairs); told to the client with turn detection on."""
         if started:
             self.awaiting_final = True
+        if self.speaking == started:
+            return []
+        self.speaking = started
         if self.config.turn_detection.type == "none":
             return []
         if started:

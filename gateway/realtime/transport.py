@@ -23,6 +23,7 @@ from gateway.websocket import CLOSE_TIMEOUT_S
 from voicemesh.v1 import tts_pb2
 
 VOICE_CHECK_TIMEOUT_S = 5.0
+RESPONSE_WAIT_S = 1.0  # how long a reply frame waits for the event that begins its response
 
 
 class RealtimeTransport:
@@ -33,6 +34,7 @@ class RealtimeTransport:
         self.conversation = conversation
         self.downlink: DownlinkWatch | None = None
         self.final_heard = asyncio.Event()  # a held turn's transcript came (a commit waits for it)
+        self.response_begun = asyncio.Event()  # a session event was translated (a response may have begun)
         self._player: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -42,11 +44,20 @@ class RealtimeTransport:
         self._player = playout.start(self._send_audio)
 
     async def _send_audio(self, frame: ReplyFrame, sent_us: int) -> None:
+        # The playout does not wait for the event stream: a turn's first frame can come before its user_final is
+        # sent, which announces the turn's response. The frame waits for it (it is queued already).
+        deadline = asyncio.get_running_loop().time() + RESPONSE_WAIT_S
+        while frame.turn_index not in self.conversation.responses and asyncio.get_running_loop().time() < deadline:
+            self.response_begun.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.response_begun.wait(), 0.05)
         await self.send(self.conversation.audio(frame))
 
     async def send_json(self, message: dict[str, Any]) -> None:
         """One session event, or a refusal, in the page's JSON (gateway/protocol.py)."""
-        await self.send(self._translate(message))
+        events = self._translate(message)
+        self.response_begun.set()
+        await self.send(events)
 
     def _translate(self, message: dict[str, Any]) -> list[Event]:
         conversation = self.conversation
