@@ -183,6 +183,8 @@ class TurnRecorder:
             attributes = {"service": "asr", "reconstructed": True}
             telemetry.timed_span(TRACER, "asr.queue", max(queued_ns, capture_ns), started_ns, span, attributes)
             telemetry.timed_span(TRACER, "asr.compute", max(started_ns, capture_ns), done_ns, span, attributes)
+            if event.traceparent:
+                telemetry.link_to(span, event.traceparent, {"stage": "asr"})
 
     def on_client_report(self, report: conversation_pb2.ClientReport, current: Reply | None) -> None:
         """The client says when a turn's first audio arrived (the downlink stage) and, if it measures them, the hops

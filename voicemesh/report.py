@@ -52,6 +52,9 @@ def records_from_otlp(request: trace_service_pb2.ExportTraceServiceRequest) -> l
                         "end_ns": span.end_time_unix_nano,
                         "service": resource.get("service.name", ""),
                         "attributes": {a.key: _value(a.value) for a in span.attributes},
+                        "links": [
+                            {"trace_id": link.trace_id.hex(), "span_id": link.span_id.hex()} for link in span.links
+                        ],
                     }
                 )
     return records

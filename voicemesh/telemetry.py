@@ -170,6 +170,10 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
         "end_ns": span.end_time,
         "service": span.resource.attributes.get("service.name", ""),
         "attributes": dict(span.attributes or {}),
+        "links": [
+            {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+            for link in span.links
+        ],
     }
 
 
@@ -253,6 +257,13 @@ def metadata_for(span_context: trace.Span | None) -> list[tuple[str, str]]:
 
 def traceparent_of(span: trace.Span | None) -> str:
     return dict(metadata_for(span)).get("traceparent", "")
+
+
+def link_to(span: trace.Span, traceparent: str, attributes: dict[str, Any] | None = None) -> None:
+    """Link `span` to the span a W3C `traceparent` names (work of another trace, e.g. the ASR's decode)."""
+    linked = trace.get_current_span(context_from({"traceparent": traceparent})).get_span_context()
+    if linked.is_valid:
+        span.add_link(linked, attributes)
 
 
 def context_from(carrier: Mapping[str, str] | Iterable[tuple[str, str | bytes]] | None) -> otel_context.Context:

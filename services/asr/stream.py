@@ -22,6 +22,7 @@ from voicemesh.v1 import asr_pb2, audio_pb2
 from voicemesh.workers import Timed, WorkerPool
 
 log = logging.getLogger(__name__)
+TRACER = telemetry.tracer(__name__)
 
 FINAL_PRIORITY = 0
 DECISION_PARTIAL_PRIORITY = 5  # a partial a decision waits on (barge-in): after finals, before every caption
@@ -385,10 +386,24 @@ class RecognitionStream:
             message.timing.queue_ms = timing_from.queue_ms
             message.timing.compute_ms = timing_from.compute_ms
             message.decode_done_us = timing_from.result.done_us
-            if event.WhichOneof("event") in ("final", "endpoint_candidate"):
+            if (kind := event.WhichOneof("event")) in ("final", "endpoint_candidate"):
                 telemetry.QUEUE_WAIT.labels("asr").observe(timing_from.queue_ms / 1000)
                 telemetry.COMPUTE.labels("asr").observe(timing_from.compute_ms / 1000)
+                message.traceparent = self._decode_span(kind or "", timing_from)
         self._emit(message)
+
+    def _decode_span(self, kind: str, timed: Timed[Transcript]) -> str:
+        """This process's span of a decode a turn may wait on (its own trace: the turn's starts later, at the commit);
+        returns its traceparent, which the gateway links the turn's span to."""
+        done_ns = timed.result.done_us * 1000 or time.time_ns()
+        started_ns = done_ns - int(timed.compute_ms * 1e6)
+        span = TRACER.start_span(
+            "asr.decode",
+            start_time=started_ns - int(timed.queue_ms * 1e6),
+            attributes={"session.id": self.config.session_id, "event": kind, "queue_ms": timed.queue_ms},
+        )
+        span.end(end_time=done_ns)
+        return telemetry.traceparent_of(span)
 
     def _spawn(self, coro: Coroutine[object, object, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)

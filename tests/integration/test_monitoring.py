@@ -1,9 +1,8 @@
 """The real programs an operator runs, on one local mesh with auth on: Debian's Prometheus scrapes every process with
 its token and evaluates the chart's rules (every recording rule and every dashboard query returns data after a few
 spoken turns; a scrape without the token is a down target with a 401), and a real OpenTelemetry collector (rotel)
-receives a turn's trace over OTLP/gRPC from every process that records its spans (gateway, LLM, TTS; the ASR's
-queue and compute spans are the gateway's, from the timings the ASR sends), forwarding it to a receiver the test
-reads."""
+receives a turn's trace over OTLP/gRPC from all four processes (the ASR's decode in a trace of its own, which the
+turn's span links to), forwarding it to a receiver the test reads."""
 
 from __future__ import annotations
 
@@ -138,18 +137,21 @@ async def test_the_collector_receives_a_turn_trace_across_processes(observed: Ob
         traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for span in observed.spans:
             traces[span["trace_id"]].append(span)
-        wanted = {"turn", *SPAN_NAMES}
-        best = max(traces.values(), key=lambda t: len({s["name"] for s in t} & wanted), default=[])
-        return sorted(wanted - {s["name"] for s in best})
+        wanted = {"turn", *SPAN_NAMES, "linked asr.decode"}
+        best = max(traces.values(), key=lambda t: len(_names(t, observed.spans) & wanted), default=[])
+        return sorted(wanted - _names(best, observed.spans))
 
     await _until("the collector forwarded no trace with these spans", incomplete)
     traces: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in observed.spans:
         traces[span["trace_id"]].append(span)
-    trace = next(t for t in traces.values() if {"turn", *SPAN_NAMES} <= {s["name"] for s in t})
-    assert {s["service"] for s in trace} == {f"voicemesh-{name}" for name in ("gateway", "llm", "tts")}
+    trace = next(t for t in traces.values() if {"turn", *SPAN_NAMES, "linked asr.decode"} <= _names(t, observed.spans))
     spans = {s["name"]: s for s in trace}
     turn = spans["turn"]
+    decode = next(s for s in observed.spans if s["span_id"] in {link["span_id"] for link in turn["links"]})
+    assert decode["trace_id"] != turn["trace_id"] and decode["parent_id"] is None
+    assert decode["attributes"]["session.id"] == turn["attributes"]["session.id"]
+    assert {s["service"] for s in [*trace, decode]} == {f"voicemesh-{n}" for n in ("gateway", "asr", "llm", "tts")}
     assert turn["parent_id"] is None
     by_id = {s["span_id"]: s for s in trace}
     for span in trace:  # every span's parent link resolves inside the trace, across the process boundaries
@@ -157,3 +159,9 @@ async def test_the_collector_receives_a_turn_trace_across_processes(observed: Ob
     assert spans["llm.generate"]["parent_id"] == turn["span_id"]
     assert spans["tts.synthesize"]["parent_id"] == turn["span_id"]
     assert spans["llm.first_token"]["parent_id"] == spans["llm.generate"]["span_id"]
+
+
+def _names(trace: list[dict[str, Any]], spans: list[dict[str, Any]]) -> set[str]:
+    """The trace's span names, and "linked NAME" for each span elsewhere that one of its spans links to."""
+    linked = {link["span_id"] for span in trace for link in span.get("links", [])}
+    return {s["name"] for s in trace} | {f"linked {s['name']}" for s in spans if s["span_id"] in linked}

@@ -230,7 +230,11 @@ class Observers:
         config = prometheus_config(targets, self.directory, interval_s=5.0)
         self.processes["prometheus"] = start_prometheus(config, self.directory, self.prometheus_port)
         base = f"http://127.0.0.1:{self.prometheus_port}"
-        wait_ready(base, self.processes["prometheus"])
+        try:
+            wait_ready(base, self.processes["prometheus"])
+        except (RuntimeError, TimeoutError) as error:  # e.g. its port is taken: the mesh runs on without it
+            self.lines.append(f"metrics:     Prometheus did not start ({error}): {self.directory}/prometheus.log")
+            return
         self.lines += [
             f"dashboard:   {graph_url(base, dashboard_queries())}",
             f"alerts:      {base}/alerts  (rules: the chart's, from {RULES_FILE})",
