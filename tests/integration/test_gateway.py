@@ -305,6 +305,26 @@ async def test_a_pause_where_whisper_puts_a_full_stop_is_held_open_by_the_llms_s
         assert len(turns) == 1
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["scored", "cut-by-the-fixed-hangover"])
+async def test_a_short_sentence_with_a_long_pause_early_in_it_leaves_each_word_once(
+    services, gateway, fixed: bool
+) -> None:
+    """A five-word sentence with a 600 ms pause after its second word: the user's lines in the history hold each word
+    once, in order, whether the pause ended a turn (the fixed hangover cuts it) or not. A cut turn that goes on once
+    became an eleven-word line: the sentence, its last two words again, then its first words again."""
+    sentence = "Please book a quiet table."
+    clip = await _split_after(services, await speech_of(services, sentence, ("book", "quiet")), "book", 0.6)
+    endpointing = asr_pb2.EndpointingConfig(fixed_hangover=fixed)
+    config = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(endpointing=endpointing))
+    _, _, events = await talk(target(gateway), clip, config, trailing_silence_s=3.0)
+    history = gateway.servicer.history(next(e.session_id for e in events if type(e).__name__ == "Started"))
+    said = re.findall(r"[a-z]+", " ".join(entry.text for entry in history if entry.role == "user").lower())
+    # The words after the pause are decoded on their own when the pause ended a turn ("a quiet" may come out as
+    # "it quite"): what must hold is one line's worth of words, none twice, both halves there.
+    assert len(said) == 5 and len(set(said)) == 5, f"words repeated or lost: {said}"
+    assert said[:2] == ["please", "book"] and said[-1] == "table", said
+
+
 def _config(**fields: object) -> conversation_pb2.ConverseRequest:
     base: dict[str, object] = {"input_sample_rate_hz": 16000}
     base.update(fields)
