@@ -78,6 +78,8 @@ class PhoneConversationClient:
         cleared = False
         try:
             while not (call.closed.is_set() and seen == len(call.received)):
+                if after_voice_us and self._last_voice_us > after_voice_us:
+                    after_voice_us = reply_started_us = 0  # the caller spoke again: what played so far answered nothing
                 for heard in call.received[seen:]:
                     seen += 1
                     if heard.kind == "clear":
