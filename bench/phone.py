@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -30,22 +29,12 @@ from voicemesh import g711
 from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float
 from voicemesh.clients import recognize
 from voicemesh.evaluation import word_error_rate
+from voicemesh.loadstats import summarize
 from voicemesh.loadtest import LoadTestOptions, loadtest
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, free_port
 
 TARGET_GAP_MS = 60.0
 CLIPS = ("spk1_snt1", "spk2_snt1", "horizon", "jfk", "wizard")
-
-
-def percentiles(values: list[float]) -> dict[str, float | int]:
-    if not values:
-        return {"turns": 0}
-    return {
-        "turns": len(values),
-        "p50": round(float(np.percentile(values, 50)), 1),
-        "p95": round(float(np.percentile(values, 95)), 1),
-        "mean": round(statistics.fmean(values), 1),
-    }
 
 
 def telephone_band(clip: Clip, codec: str) -> Clip:
@@ -114,13 +103,13 @@ async def door_v2v(grpc_target: str, http_target: str, token: str, names: Sequen
                         from_clip_end[door].append(round((row.first_audio_s - row.clip_end_s) * 1000, 1))
                 else:
                     failed[door].append(f"{row.clip}: {row.status} {row.detail}"[:160])
-    summary = {door: percentiles(values) for door, values in v2v.items()}
+    summary = {door: summarize(values).to_json() for door, values in v2v.items()}
     gap = None
     if v2v["grpc"] and v2v["twilio"]:
         gap = round(float(np.percentile(v2v["twilio"], 50) - np.percentile(v2v["grpc"], 50)), 1)
     return {
         "v2v_ms": summary,
-        "from_clip_end_ms": {door: percentiles(values) for door, values in from_clip_end.items()},
+        "from_clip_end_ms": {door: summarize(values).to_json() for door, values in from_clip_end.items()},
         "phone_minus_grpc_p50_ms": gap,
         "target_gap_ms": TARGET_GAP_MS,
         "within_target": gap is not None and gap <= TARGET_GAP_MS,
