@@ -74,6 +74,9 @@ class PipelineOptions:
             false_interruption_timeout_ms=self.false_interruption_timeout_ms,
             backchannels=self.backchannels,
             continue_unheard_turns=self.continue_unheard_turns,
+            scores_pauses=not self.endpointing.fixed_hangover,
+            urgent_words=self.urgent_words,
+            buffer_whole_reply=self.buffer_whole_reply,
         )
 
 

@@ -72,14 +72,7 @@ class Session:
         self.outbox = Outbox(options.session_id, len([entry for entry in history if entry.role == "user"]))
         self.events = self.outbox.events
         self.recorder = TurnRecorder(self.outbox, transport, log_transcripts)
-        # (PipelineOptions.turn_policy leaves these three to the session.)
-        policy = dataclasses.replace(
-            pipeline.turn_policy(),
-            scores_pauses=not pipeline.endpointing.fixed_hangover,
-            urgent_words=pipeline.urgent_words,
-            buffer_whole_reply=pipeline.buffer_whole_reply,
-        )
-        self.turns = turn.TurnController(policy)
+        self.turns = turn.TurnController(pipeline.turn_policy())
         self.entries = TurnEntries()  # the history lines of recent turns, for a client that edits them
         self.on_speech: Callable[[bool, float], None] | None = None  # (started, session audio ms): for a door
         self._closing = False
