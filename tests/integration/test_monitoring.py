@@ -7,6 +7,7 @@ turn's span links to), forwarding it to a receiver the test reads."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import subprocess
 import tempfile
 import time
@@ -89,6 +90,7 @@ async def observed() -> AsyncIterator[Observed]:
         mesh.stop_all()
         observe.stop(processes)
         await receiver.stop(0)
+        shutil.rmtree(directory / "data", ignore_errors=True)  # Prometheus's TSDB; the logs stay for a failure
 
 
 async def _until(what: str, probe: Callable[[], list[str]], timeout_s: float = 60.0) -> None:
