@@ -26,7 +26,7 @@ from services.llm.llama_common import (
     CLOSE_WAIT_S,
     PREFILL_STEP_TOKENS,
     LlamaEngineBase,
-    Playout,
+    SpeechClock,
     common_prefix,
     past_urgent,
     split_at_turn_end,
@@ -75,7 +75,7 @@ class _Reply:
     text: str = ""  # decoded so far, stop strings not yet ruled out included
     sent: int = 0  # characters of `text` streamed
     first_text: bool = True
-    playout: Playout = field(default_factory=Playout)
+    playout: SpeechClock = field(default_factory=SpeechClock)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     prefill: bool = False  # only the prompt into the cache (Engine.prefill): no reply, nobody waits on it
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("ignore"))

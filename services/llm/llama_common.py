@@ -65,7 +65,7 @@ def default_model_path(cache_dir: Path | None = None) -> Path:
 
 
 @dataclass
-class Playout:
+class SpeechClock:
     """When a reply's audio will run dry, as far as the engine can tell: it starts playing about when its urgent
     words are out (`started`, on time.monotonic) and lasts as long as its text takes to say."""
 

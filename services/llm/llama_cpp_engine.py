@@ -28,7 +28,7 @@ from services.llm.llama_common import (
     PREFILL_STEP_TOKENS,
     RESUME_AT,
     LlamaEngineBase,
-    Playout,
+    SpeechClock,
     common_prefix,
     past_urgent,
     split_at_turn_end,
@@ -226,7 +226,7 @@ class LlamaCppEngine(LlamaEngineBase):
         slot = await self._acquire(request.session_id)
         queue_ms = (time.monotonic_ns() - enqueued) / 1e6
         first, completion = True, 0
-        playout = Playout()
+        playout = SpeechClock()
         while True:
             part = request
             if playout.text:  # it gave its slot up: carry on after what it streamed, from its saved state
@@ -255,7 +255,7 @@ class LlamaCppEngine(LlamaEngineBase):
             completion += yielded.completion_tokens
             slot = await self._reacquire(request.session_id, playout)  # cancelled: its place in line goes
 
-    async def _reacquire(self, session_id: str, playout: Playout) -> _Slot:
+    async def _reacquire(self, session_id: str, playout: SpeechClock) -> _Slot:
         """The slot back for a reply that gave it up: by its deadline, and (flow control) not before its playout
         has caught up to RESUME_AT of `max_ahead_s`."""
         if self.max_ahead_s:
@@ -263,7 +263,7 @@ class LlamaCppEngine(LlamaEngineBase):
         return await self._acquire(session_id, playout.deadline())
 
     async def _run(
-        self, slot: _Slot, request: GenerationRequest, playout: Playout
+        self, slot: _Slot, request: GenerationRequest, playout: SpeechClock
     ) -> AsyncGenerator[GenerationChunk | _Yielded, None]:
         """One generation on `slot` in a thread; the slot is released when the thread is done with it."""
         loop = asyncio.get_running_loop()
@@ -299,7 +299,7 @@ class LlamaCppEngine(LlamaEngineBase):
         self,
         slot: _Slot,
         request: GenerationRequest,
-        playout: Playout,
+        playout: SpeechClock,
         cancel: threading.Event,
         put: Callable[[GenerationChunk | _Yielded], None],
     ) -> None:

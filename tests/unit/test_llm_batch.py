@@ -12,7 +12,7 @@ import pytest
 
 from services.llm.engine import GenerationRequest, Message
 from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, ready_at, sample
-from services.llm.llama_common import PREFILL_STEP_TOKENS, Playout
+from services.llm.llama_common import PREFILL_STEP_TOKENS, SpeechClock
 from services.llm.server import LlmSettings, build_engine
 
 VOCAB = 1000
@@ -66,7 +66,7 @@ def _reply(loop: asyncio.AbstractEventLoop, prompt: int, pending: int, started: 
     reply = _Reply(request, list(range(prompt)), None, ("\n",), loop, asyncio.Queue())
     reply.position = prompt - pending if pending > 1 else prompt
     reply.pending = list(range(pending))
-    reply.playout = Playout(started=started)
+    reply.playout = SpeechClock(started=started)
     reply.text = said
     return reply
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.llm.llama_common import MIN_AHEAD_S, REFILL_S, RESUME_AT, Playout, past_urgent, speech_s
+from services.llm.llama_common import MIN_AHEAD_S, REFILL_S, RESUME_AT, SpeechClock, past_urgent, speech_s
 from services.llm.llama_cpp_engine import NEW_CALL_DUE_S, LlamaCppEngine, _Slot
 
 
@@ -55,7 +55,7 @@ async def test_a_waiter_that_gives_up_leaves_the_line_and_its_deadline_with_it()
 
 
 def test_a_reply_is_due_again_before_the_audio_of_what_it_streamed_runs_dry() -> None:
-    playout = Playout(started=100.0, text="I am sure that ")
+    playout = SpeechClock(started=100.0, text="I am sure that ")
     assert playout.deadline("one war") == pytest.approx(100.0 + speech_s("I am sure that one war") - REFILL_S)
     assert speech_s("x" * 15) == pytest.approx(1.0), "about 150 words a minute"
 
@@ -72,7 +72,7 @@ async def test_a_reply_held_back_for_running_ahead_queues_again_only_once_its_pl
     engine, slot = one_slot(max_ahead_s=MIN_AHEAD_S)
     await engine._acquire("other")  # someone holds the slot meanwhile
     # Streamed 0.8 s more than RESUME_AT of max_ahead_s ahead of its listener: it waits that long, out of line.
-    playout = Playout(started=time.monotonic(), text="x" * round(15 * (RESUME_AT * MIN_AHEAD_S + 0.8)))
+    playout = SpeechClock(started=time.monotonic(), text="x" * round(15 * (RESUME_AT * MIN_AHEAD_S + 0.8)))
     back = asyncio.ensure_future(engine._reacquire("held", playout))
     await asyncio.sleep(0.1)
     assert engine.waiting == 0, "held back: not in line while it is far enough ahead"
@@ -85,7 +85,7 @@ async def test_a_reply_held_back_for_running_ahead_queues_again_only_once_its_pl
 async def test_without_flow_control_a_reply_that_gave_its_slot_up_queues_again_at_once() -> None:
     engine, slot = one_slot()
     await engine._acquire("other")
-    back = asyncio.ensure_future(engine._reacquire("held", Playout(started=time.monotonic(), text="x" * 90)))
+    back = asyncio.ensure_future(engine._reacquire("held", SpeechClock(started=time.monotonic(), text="x" * 90)))
     await asyncio.sleep(0)
     assert engine.waiting == 1
     engine._release(slot)
@@ -99,6 +99,6 @@ def test_a_flow_control_limit_that_leaves_no_time_to_refill_is_refused(max_ahead
 
 
 def test_how_far_ahead_a_reply_is_counts_what_it_streamed_less_what_has_played() -> None:
-    assert Playout().ahead_s("anything") == 0.0, "nothing plays before its urgent words are out"
-    playout = Playout(started=time.monotonic() - 1.0, text="x" * 30)
+    assert SpeechClock().ahead_s("anything") == 0.0, "nothing plays before its urgent words are out"
+    playout = SpeechClock(started=time.monotonic() - 1.0, text="x" * 30)
     assert playout.ahead_s("y" * 15) == pytest.approx(2.0, abs=0.05)
