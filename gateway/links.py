@@ -132,6 +132,13 @@ class AsrLink(ReconnectingStream[asr_pb2.RecognizeRequest, asr_pb2.RecognizeEven
         """How long ago (in audio received) a point of the stream was: events lag the audio they describe."""
         return max(0.0, self.audio_ms - (self.base_ms + stream_ms))
 
+    def session_ms(self, event: asr_pb2.RecognizeEvent) -> float:
+        """Where in the session's audio a VAD event happened (a resumed speech: now, as far as the stream knows)."""
+        kind = event.WhichOneof("event")
+        if kind == "speech_started":
+            return self.base_ms + event.speech_start_ms
+        return self.base_ms + event.speech_end_ms if kind == "speech_stopped" else self.audio_ms
+
     def _frame_ms(self, frame: audio_pb2.AudioFrame) -> float:
         return len(frame.data) / 2 * 1000 / self.input_rate_hz
 

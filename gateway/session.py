@@ -181,9 +181,8 @@ class Session:
         kind = event.WhichOneof("event")
         self._last_event = event
         controller = self.turns
-        if kind in ("speech_started", "speech_stopped") and self.on_speech is not None:
-            started = kind == "speech_started"
-            self.on_speech(started, self.asr.base_ms + (event.speech_start_ms if started else event.speech_end_ms))
+        if self.on_speech is not None and kind in ("speech_started", "speech_stopped", "speech_resumed"):
+            self.on_speech(kind != "speech_stopped", self.asr.session_ms(event))
         if kind == "speech_started":
             commands = controller.on_speech_started(now_ms - self.asr.behind_ms(event.speech_start_ms))
         elif kind == "speech_stopped":

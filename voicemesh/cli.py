@@ -393,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Flags left out are None: the defaults live in voicemesh.loadtest (LoadTestOptions, DEFAULT_BUDGET_MS).
     load.add_argument(
         "--target",
-        help="gateway HOST:PORT: its gRPC port, or its HTTP door with --transport ws or twilio (default: `voicemesh up`'s, "
+        help="gateway HOST:PORT: its gRPC port, or its HTTP door with --transport ws, twilio or realtime (default: `voicemesh up`'s, "
         "127.0.0.1:50051); an empty one (--target '') starts a local mesh for the test and stops it after",
     )
     load.add_argument("--sessions", type=int, help="concurrent sessions")
@@ -401,8 +401,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     load.add_argument("--audio", nargs="+", required=True, help="16-bit WAV files or directories of them")
     load.add_argument(
         "--transport",
-        help="grpc (Conversation.Converse), ws (the WebSocket door browsers use) or twilio (phone calls as Twilio places "
-        "them; the carrier signs with VOICEMESH_GATEWAY_TWILIO_AUTH_TOKEN)",
+        help="grpc (Conversation.Converse), ws (the WebSocket door browsers use), twilio (phone calls as Twilio places "
+        "them; the carrier signs with VOICEMESH_GATEWAY_TWILIO_AUTH_TOKEN) or realtime (the OpenAI Realtime door)",
     )
     load.add_argument("--ramp-s", type=float, help="spread session starts over this many seconds")
     load.add_argument(

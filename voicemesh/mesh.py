@@ -226,7 +226,7 @@ def _ephemeral_range() -> tuple[int, int]:
 def _start_local_mesh(log_prefix: str, door: str) -> tuple[Mesh, str]:
     mesh = Mesh(log_dir=tempfile.mkdtemp(prefix=log_prefix))
     ports = {name: free_port() for name in DEFAULT_PORTS}
-    http_door = door in ("ws", "twilio")
+    http_door = door in ("ws", "twilio", "realtime")
     http_port = free_port() if http_door else -1
     phone = [f"--twilio-auth-token={LOCAL_TWILIO_AUTH_TOKEN}"] if door == "twilio" else []
     mesh.start_local(ports, http_port=http_port, gateway_args=phone)

@@ -30,6 +30,7 @@ from voicemesh.conversation import (
     speech_end_sent_us,
 )
 from voicemesh.conversation_phone import PhoneConversationClient
+from voicemesh.conversation_realtime import RealtimeConversationClient
 from voicemesh.conversation_ws import WebSocketConversationClient
 from voicemesh.loadtest.clips import RATE_HZ, SpeechClip, load_clips
 from voicemesh.loadtest.html_report import render_report
@@ -45,6 +46,8 @@ from voicemesh.loadtest.report import (
 )
 from voicemesh.mesh import LOCAL_TWILIO_AUTH_TOKEN, local_mesh
 from voicemesh.v1 import conversation_pb2
+
+Client = ConversationClient | WebSocketConversationClient | PhoneConversationClient | RealtimeConversationClient
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +209,7 @@ class _Session:
             if self.rendezvous is not None:
                 self.rendezvous.leave(self.index)
 
-    def _open_client(self) -> ConversationClient | WebSocketConversationClient | PhoneConversationClient:
+    def _open_client(self) -> Client:
         config = conversation_pb2.SessionConfig(
             session_id=self.session_id, input_sample_rate_hz=RATE_HZ, output_sample_rate_hz=RATE_HZ
         )
@@ -214,6 +217,8 @@ class _Session:
             return PhoneConversationClient(self.options.target, config, self.options.twilio_auth_token)
         if self.options.transport == "ws":
             return WebSocketConversationClient(self.options.target, config, credentials=self.options.credentials)
+        if self.options.transport == "realtime":
+            return RealtimeConversationClient(self.options.target, config, credentials=self.options.credentials)
         # No reconnects: a dropped call is a failure the load test must count, not hide.
         return ConversationClient(
             self.options.target, config, reconnect_attempts=0, credentials=self.options.credentials
@@ -227,7 +232,7 @@ class _Session:
         for turn in unfinished:
             turn.fail(status, detail)
 
-    async def _send(self, client: ConversationClient | WebSocketConversationClient | PhoneConversationClient) -> None:
+    async def _send(self, client: Client) -> None:
         pacer = Pacer()
         for number, (turn, clip) in enumerate(zip(self.turns, self.plan, strict=True)):
             if self.rendezvous is not None:
@@ -254,9 +259,7 @@ class _Session:
                     await pacer.wait()
                     client.send(SILENCE_FRAME)
 
-    async def _receive(
-        self, client: ConversationClient | WebSocketConversationClient | PhoneConversationClient
-    ) -> None:
+    async def _receive(self, client: Client) -> None:
         try:
             async for event in client.events():
                 if isinstance(event, UserTranscript) and event.final:

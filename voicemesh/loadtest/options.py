@@ -10,7 +10,7 @@ from voicemesh.mesh import DEFAULT_PORTS
 
 MAX_SESSIONS = 512
 MAX_TURNS = 100
-TRANSPORTS = ("grpc", "ws", "twilio")
+TRANSPORTS = ("grpc", "ws", "twilio", "realtime")
 ARRIVALS = ("staggered", "sync")
 
 
@@ -33,7 +33,8 @@ class LoadTestOptions:
     """WAV files or directories of them (every *.wav); sessions cycle through them, each starting elsewhere."""
     transport: str = "grpc"
     """`grpc` (Conversation.Converse), `ws` (the WebSocket door /api/ws, as a browser page speaks it) or `twilio`
-    (the phone door, calls placed as Twilio places them: `target` is the HTTP door)."""
+    (the phone door, calls placed as Twilio places them: `target` is the HTTP door) or `realtime` (the OpenAI
+    Realtime door /v1/realtime on the HTTP door)."""
     ramp_s: float = 1.0
     """Session starts are spread evenly over this long (`staggered` arrival)."""
     arrival: str = "staggered"
