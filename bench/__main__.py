@@ -41,6 +41,7 @@ BENCHMARKS = {
     "llm_batch": Benchmark("bench.llm_batch", "llama.cpp replies at once: batched vs slot engine tokens/s and TTFT"),
     "browser": Benchmark("bench.browser", "V2V in a real browser over WebRTC and WebSocket, beside a gRPC client"),
     "phone": Benchmark("bench.phone", "V2V over the phone door (Twilio) beside gRPC; ASR WER on G.711 8 kHz speech"),
+    "realtime": Benchmark("bench.realtime", "V2V through the OpenAI Realtime door (/v1/realtime) beside gRPC"),
     "chaos": Benchmark("bench.chaos", "faults under load (SIGKILL/SIGSTOP/SIGTERM of a replica), fuzz and soak"),
     "fuzz": Benchmark(
         "bench.chaos.fuzz", "every door of a fresh mesh fuzzed with hypothesis: refusals, crashes, hangs"

@@ -4,7 +4,8 @@ events of voicemesh.conversation.
 
 The Realtime API carries no gateway metrics: the TurnMetrics this client yields holds, as speech_end_capture_us, when
 it sent the audio where the server's VAD put the end of speech (input_audio_buffer.speech_stopped), the response's
-token usage, and the arrival of its first audio."""
+token usage, the arrival of its first audio, and as reply_gap_ms the silence a listener playing the reply from its
+first audio would have heard inside it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class RealtimeConversationClient:
     _speech_end_us: int = 0
     _first_audio_us: int = 0
     _responding: bool = False
+    _played_until_us: int = 0  # where a listener playing the reply from its first audio would be done
+    _gap_ms: float = 0.0  # silence such a listener heard inside the reply (its audio came too late)
     _seq: int = 0
 
     async def __aenter__(self) -> RealtimeConversationClient:
@@ -126,10 +129,15 @@ class RealtimeConversationClient:
         elif kind == "response.output_audio_transcript.delta":
             return [ReplyText(self._turn, event["delta"])]
         elif kind == "response.output_audio.delta":
-            now = epoch_us()
-            self._first_audio_us = self._first_audio_us or now
+            now, pcm16 = epoch_us(), base64.b64decode(event["delta"])
+            if not self._first_audio_us:
+                self._first_audio_us, self._played_until_us, self._gap_ms = now, now, 0.0
+            elif now > self._played_until_us:
+                self._gap_ms += (now - self._played_until_us) / 1000
+                self._played_until_us = now
+            self._played_until_us += len(pcm16) // 2 * 1_000_000 // RATE_HZ
             self._seq += 1
-            return [ReplyAudio(self._turn, base64.b64decode(event["delta"]), RATE_HZ, "", 0, now, self._seq - 1)]
+            return [ReplyAudio(self._turn, pcm16, RATE_HZ, "", 0, now, self._seq - 1)]
         elif kind == "response.done":
             return self._done(event["response"])
         elif kind == "error":
@@ -146,6 +154,7 @@ class RealtimeConversationClient:
             speech_end_capture_us=self._speech_end_us,
             prompt_tokens=usage.get("input_tokens", 0),
             completion_tokens=usage.get("output_tokens", 0),
+            reply_gap_ms=round(self._gap_ms, 1),
         )
         return [ended, TurnMetrics(turn, server, self._first_audio_us)]
 
