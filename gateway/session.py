@@ -10,7 +10,6 @@ resume / stop the reply's audio, end the turn. Its parts: the ASR and TTS stream
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import time
@@ -458,28 +457,3 @@ class Session:
             reply_done=conversation_pb2.ReplyDone(text=" ".join(reply.spoken_chunks)), turn=reply.turn_index
         )
         self._apply(self.turns.on_reply_done(reply.utterance_id))
-
-    # ---- what tests and the chaos benchmark read of a session ------------------------------------------------
-    @property
-    def _asr_seq(self) -> int:
-        return self.asr.seq
-
-    @property
-    def _asr_acked(self) -> int:
-        return self.asr.acked
-
-    @property
-    def _asr_in_speech(self) -> bool:
-        return self.asr.in_speech
-
-    @property
-    def _retained(self) -> collections.deque[tuple[float, audio_pb2.AudioFrame]]:
-        return self.asr.retained
-
-    @property
-    def _receipt_us(self) -> collections.OrderedDict[int, int]:
-        return self.recorder.receipt_us
-
-    @property
-    def _recent(self) -> dict[int, Reply]:
-        return self.recorder.recent

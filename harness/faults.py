@@ -170,7 +170,7 @@ def _belongs(session: Session, conversation: Conversation) -> bool:
 
 def mid_utterance(session: Session) -> bool:
     """The user has been speaking for over a second (the ASR acknowledged it) and has not finished."""
-    return session._asr_in_speech and session._asr_acked > 60
+    return session.asr.in_speech and session.asr.acked > 60
 
 
 def generating(session: Session) -> bool:
@@ -369,7 +369,7 @@ def account(report: FaultReport, conversations: list[Conversation], fault_us: in
             report.reply_frames += len(seqs)
             report.reply_frames_lost += (max(seqs) + 1 - len(set(seqs))) + (len(seqs) - len(set(seqs)))
         for session in conversation.sessions:
-            report.input_frames_unacknowledged += max(0, session._asr_seq - session._asr_acked)
+            report.input_frames_unacknowledged += max(0, session.asr.seq - session.asr.acked)
         for turn in completed:
             if turn.v2v_ms is None:
                 continue

@@ -152,7 +152,7 @@ async def test_an_asr_replica_lost_mid_utterance_loses_no_word(replicas: Mesh, f
     check_the_turn_completed_whole(outcome, "wizard")
     assert outcome.failovers >= 1, "the utterance was replayed to the other replica"
     session = outcome.session
-    assert session._asr_seq and session._asr_acked == session._asr_seq, "every frame sent was acknowledged"
+    assert session.asr.seq and session.asr.acked == session.asr.seq, "every frame sent was acknowledged"
 
 
 @pytest.mark.parametrize("fault", FAULTS)

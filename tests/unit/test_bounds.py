@@ -76,10 +76,10 @@ class Conversation:
         return {
             "history entries": len(session.history),
             "history characters within the budget": int(sum(len(e.text) for e in session.history) <= self.budget),
-            "recent turns": len(session._recent),
+            "recent turns": len(session.recorder.recent),
             "replies": len(session._replies),
-            "receipt times": len(session._receipt_us),
-            "retained audio frames": len(session._retained),
+            "receipt times": len(session.recorder.receipt_us),
+            "retained audio frames": len(session.asr.retained),
             "queued reply frames": session.playout.queued,
             "queued events": session.events.qsize(),
             "tasks": len(gateway_tasks()),
