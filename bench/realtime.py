@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from bench.phone import percentiles
 from harness.clips import SHARED_AUDIO, clip_path
+from voicemesh.loadstats import summarize
 from voicemesh.loadtest import LoadTestOptions, loadtest
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, free_port
 
@@ -57,8 +57,8 @@ async def compare(targets: dict[str, str], names: Sequence[str], rounds: int) ->
     if v2v["grpc"] and v2v["realtime"]:
         gap = round(float(np.percentile(v2v["realtime"], 50) - np.percentile(v2v["grpc"], 50)), 1)
     return {
-        "v2v_ms": {door: percentiles(values) for door, values in v2v.items()},
-        "from_clip_end_ms": {door: percentiles(values) for door, values in from_clip_end.items()},
+        "v2v_ms": {door: summarize(values).to_json() for door, values in v2v.items()},
+        "from_clip_end_ms": {door: summarize(values).to_json() for door, values in from_clip_end.items()},
         "realtime_minus_grpc_p50_ms": gap,
         "target_gap_ms": TARGET_GAP_MS,
         "within_target": gap is not None and gap <= TARGET_GAP_MS,
