@@ -1,5 +1,5 @@
-"""The Realtime audio formats to and from the session's PCM16: base64 in both directions, G.711 through
-voicemesh.g711, and 8 kHz out resampled from the TTS's 16 kHz."""
+"""The Realtime audio formats to and from the session's PCM16 (at the format's rate both ways): base64, and G.711
+through voicemesh.g711."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from gateway.realtime.config import AudioFormat, RealtimeProblem
 from voicemesh import g711
-from voicemesh.audio import Framer, StreamResampler, float_to_pcm16, pcm16_to_float
+from voicemesh.audio import Framer
 
 MAX_APPEND_BYTES = 15 * 1024 * 1024  # the API's documented limit on one input_audio_buffer.append
 _DECODE: dict[str, Callable[[bytes], bytes]] = {"audio/pcmu": g711.ulaw_decode, "audio/pcma": g711.alaw_decode}
@@ -54,16 +54,13 @@ class AudioIn:
 
 
 class AudioOut:
-    """The session's reply PCM16 -> base64 in the client's output format; one per response (the resampler's state)."""
+    """The session's reply PCM16 -> base64 in the client's output format; one per response (its audio so far)."""
 
     def __init__(self, audio_format: AudioFormat) -> None:
         self.format = audio_format
-        self._resampler = StreamResampler(audio_format.output_rate_hz, audio_format.rate_hz)
         self.sent_ms = 0.0
 
     def encode(self, pcm16: bytes) -> str:
-        self.sent_ms += len(pcm16) / 2 * 1000 / self.format.output_rate_hz
-        if self.format.rate_hz != self.format.output_rate_hz:
-            pcm16 = float_to_pcm16(self._resampler.process(pcm16_to_float(pcm16)))
+        self.sent_ms += len(pcm16) / 2 * 1000 / self.format.rate_hz
         encode = _ENCODE.get(self.format.type)
         return base64.b64encode(encode(pcm16) if encode is not None else pcm16).decode()

@@ -24,20 +24,19 @@ class RealtimeProblem(Exception):
 
 @dataclass(frozen=True)
 class AudioFormat:
-    """One of the Realtime formats: its name, the rate it carries, and the voicemesh rate it maps to."""
+    """One of the Realtime formats: its name and the rate it carries (the session's rate in that direction)."""
 
     type: str
     rate_hz: int
-    output_rate_hz: int  # the session's reply rate for it (the TTS does not make 8 kHz: the door resamples)
 
     def describe(self) -> dict[str, Any]:
         return {"type": self.type, "rate": self.rate_hz} if self.type == "audio/pcm" else {"type": self.type}
 
 
 FORMATS = {
-    "audio/pcm": AudioFormat("audio/pcm", 24000, 24000),
-    "audio/pcmu": AudioFormat("audio/pcmu", 8000, 16000),
-    "audio/pcma": AudioFormat("audio/pcma", 8000, 16000),
+    "audio/pcm": AudioFormat("audio/pcm", 24000),
+    "audio/pcmu": AudioFormat("audio/pcmu", 8000),
+    "audio/pcma": AudioFormat("audio/pcma", 8000),
 }
 
 # semantic_vad's eagerness as the longest wait at a pause scored unfinished and the wait at an unscored one (ms).
@@ -138,7 +137,7 @@ class RealtimeConfig:
         return conversation_pb2.SessionConfig(
             session_id=session_id,
             input_sample_rate_hz=self.input_format.rate_hz,
-            output_sample_rate_hz=self.output_format.output_rate_hz,
+            output_sample_rate_hz=self.output_format.rate_hz,
             voice=self.voice,
             system_prompt=self.instructions,
             options=options,
