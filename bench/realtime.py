@@ -13,18 +13,12 @@ that ran dry per door.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from bench import clips_main, door_gap
 from harness.clips import SHARED_AUDIO, clip_path
-from voicemesh.loadstats import summarize
 from voicemesh.loadtest import LoadTestOptions, loadtest
 from voicemesh.mesh import DEFAULT_PORTS, Mesh, free_port
 
@@ -53,15 +47,8 @@ async def compare(targets: dict[str, str], names: Sequence[str], rounds: int) ->
                 v2v[door].append(row.v2v_ms)
                 if row.first_audio_s is not None and row.clip_end_s is not None:
                     from_clip_end[door].append(round((row.first_audio_s - row.clip_end_s) * 1000, 1))
-    gap = None
-    if v2v["grpc"] and v2v["realtime"]:
-        gap = round(float(np.percentile(v2v["realtime"], 50) - np.percentile(v2v["grpc"], 50)), 1)
     return {
-        "v2v_ms": {door: summarize(values).to_json() for door, values in v2v.items()},
-        "from_clip_end_ms": {door: summarize(values).to_json() for door, values in from_clip_end.items()},
-        "realtime_minus_grpc_p50_ms": gap,
-        "target_gap_ms": TARGET_GAP_MS,
-        "within_target": gap is not None and gap <= TARGET_GAP_MS,
+        **door_gap(v2v, from_clip_end, "realtime", "realtime", TARGET_GAP_MS),
         "replies_ran_dry": ran_dry,
         "failed": failed,
         "per_turn_ms": v2v,
@@ -83,16 +70,7 @@ async def run(rounds: int, names: Sequence[str]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.realtime", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per door, alternating which goes first")
-    parser.add_argument("--clips", default=",".join(CLIPS), help="comma-separated clip names (harness/clips.py)")
-    parser.add_argument("--out", default="", help="also write the JSON here")
-    args = parser.parse_args(argv)
-    result = asyncio.run(run(args.rounds, [name for name in args.clips.split(",") if name]))
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    clips_main("python -m bench.realtime", __doc__ or "", CLIPS, run, argv)
 
 
 if __name__ == "__main__":
