@@ -95,11 +95,18 @@ class RealtimeConversationClient:
         except (aiohttp.ClientError, TimeoutError) as error:
             raise ConversationFailed("UNAVAILABLE", f"cannot open {self.url}: {error}") from error
         writer: asyncio.Future[None] | None = None
+        refusal: tuple[str, str] | None = None
         try:
             async for message in ws:
                 if message.type != aiohttp.WSMsgType.TEXT:
                     continue
                 event = json.loads(message.data)
+                if event["type"] == "error" and writer is None:  # before session.created: the door refused
+                    code = str(event["error"].get("code"))
+                    refusal = (
+                        "UNAUTHENTICATED" if code == "invalid_api_key" else code.upper(),
+                        event["error"]["message"],
+                    )
                 if event["type"] == "session.created":
                     if self.config.system_prompt:
                         update = {"type": "realtime", "instructions": self.config.system_prompt}
@@ -107,8 +114,9 @@ class RealtimeConversationClient:
                     writer = asyncio.ensure_future(self._write(ws))
                 for converted in self._convert(event):
                     yield converted
-            if ws.close_code not in (None, CLOSE_OK):
-                raise ConversationFailed(f"CLOSE_{ws.close_code}", "the gateway closed the connection")
+            if ws.close_code not in (None, CLOSE_OK) or refusal is not None:
+                status, details = refusal or (f"CLOSE_{ws.close_code}", "the gateway closed the connection")
+                raise ConversationFailed(status, details)
         finally:
             if writer is not None:
                 writer.cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import json
 from collections import Counter
@@ -141,6 +142,20 @@ async def test_a_websocket_refusal_fails_the_turns_with_the_gateways_status(web_
     report = await loadtest(options, tmp_path)  # no token
     assert report.turns.ok == 0
     assert report.turns.failed_by_error == {"UNAUTHENTICATED": 2}
+
+
+async def test_the_realtime_door_under_load_as_sdk_clients_use_it(web_gateway: str, tmp_path: Path) -> None:
+    credentials = Credentials(token="load-test-token")
+    options = LoadTestOptions(
+        target=web_gateway, transport="realtime", sessions=2, turns=2, audio=clip_paths(), credentials=credentials
+    )
+    report = await loadtest(options, tmp_path)
+    assert_complete(report, tmp_path, sessions=2, turns=2)
+    assert report.turns.ok == 4, report.per_turn
+    for turn in report.per_turn:
+        assert turn.user and turn.reply and turn.v2v_ms is not None and turn.v2v_ms > 0
+    refused = await loadtest(dataclasses.replace(options, credentials=Credentials(), sessions=1), tmp_path / "refused")
+    assert refused.turns.failed_by_error == {"UNAUTHENTICATED": 2}
 
 
 async def test_an_unreachable_target_gives_failed_turns_with_their_status(tmp_path: Path) -> None:
