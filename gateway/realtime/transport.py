@@ -20,7 +20,7 @@ from gateway.realtime.config import RealtimeProblem
 from gateway.realtime.events import Event, RealtimeConversation
 from gateway.session import ReplyFrame
 from gateway.websocket import CLOSE_TIMEOUT_S
-from voicemesh.v1 import tts_pb2
+from voicemesh.v1 import audio_pb2, tts_pb2
 
 VOICE_CHECK_TIMEOUT_S = 5.0
 RESPONSE_WAIT_S = 1.0  # how long a reply frame waits for the event that begins its response
@@ -113,7 +113,10 @@ async def check_voice(backends: Backends, voice: str) -> None:
     voices it serves if not."""
 
     async def config_only() -> Any:
-        yield tts_pb2.SynthesizeRequest(config=tts_pb2.SynthesisConfig(session_id="voice-check", voice=voice))
+        config = tts_pb2.SynthesisConfig(
+            session_id="voice-check", voice=voice, encoding=audio_pb2.AUDIO_ENCODING_PCM16LE
+        )
+        yield tts_pb2.SynthesizeRequest(config=config)
 
     try:
         target = backends.pick("tts")

@@ -65,7 +65,7 @@ class Events:
         try:
             return await asyncio.wait_for(self._first(kind, after, fields), timeout_s)
         except TimeoutError:
-            raise AssertionError(f"no {kind} {fields or ''} within {timeout_s:g} s; events: {self.kinds()}") from None
+            raise AssertionError(f"no {kind} {fields or ''} within {timeout_s:g} s; events: {self.seen[-3:]}") from None
 
     async def _first(self, kind: str, after: int, fields: dict[str, Any]) -> dict[str, Any]:
         while True:
@@ -389,3 +389,14 @@ async def test_bad_input_gets_error_events_and_the_connection_goes_on(gateway) -
         errors = [e["error"]["code"] for e in seen if e["type"] == "error"]
         assert errors == ["conversation_already_has_active_response"], errors
         assert seen[-1]["response"]["status"] == "completed"
+
+
+async def test_a_voice_the_tts_does_not_serve_is_an_error_that_lists_those_it_serves(gateway) -> None:
+    async with realtime(gateway) as (connection, events):
+        await connection.session.update(session={"type": "realtime", "audio": {"output": {"voice": "alloy"}}})
+        error = (await events.wait_for("error"))["error"]
+        assert error["param"] == "session.audio.output.voice" and "en_US-joe-medium" in error["message"], error
+        voice = {"type": "realtime", "audio": {"output": {"voice": "en_US-joe-medium"}}}
+        await connection.session.update(session=voice)
+        updated = await events.wait_for("session.updated", timeout_s=15)
+        assert updated["session"]["audio"]["output"]["voice"] == "en_US-joe-medium", events.of("error")
