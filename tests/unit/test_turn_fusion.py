@@ -97,7 +97,7 @@ def test_a_garbled_draft_reads_less_finished_than_a_sure_one() -> None:
 
 def test_an_unknown_turn_fusion_setting_stops_the_asr_naming_the_choices() -> None:
     servicer = RecognizerServicer(AsrSettings(turn_fusion="bigger"))
-    with pytest.raises(ValueError, match="turn_fusion='bigger'.*probe or line_end"):
+    with pytest.raises(ValueError, match=r"turn_fusion='bigger'.*probe or line_end"):
         servicer.load()
 
 
