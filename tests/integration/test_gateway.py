@@ -339,7 +339,7 @@ def _frame(seq: int, data: bytes = b"\x00\x00" * 320) -> conversation_pb2.Conver
     ("messages", "code", "words"),
     [
         ([_config(input_sample_rate_hz=44000)], grpc.StatusCode.INVALID_ARGUMENT, ("input_sample_rate_hz=44000",)),
-        ([_config(output_sample_rate_hz=8000)], grpc.StatusCode.INVALID_ARGUMENT, ("output_sample_rate_hz=8000",)),
+        ([_config(output_sample_rate_hz=11025)], grpc.StatusCode.INVALID_ARGUMENT, ("output_sample_rate_hz=11025",)),
         ([_frame(0)], grpc.StatusCode.FAILED_PRECONDITION, ("first message", "SessionConfig")),
         ([_config(), _frame(0), _config()], grpc.StatusCode.FAILED_PRECONDITION, ("second SessionConfig",)),
         ([_config(), _frame(0, b"\x00" * 3)], grpc.StatusCode.INVALID_ARGUMENT, ("odd",)),
