@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,7 +83,7 @@ class Webhook:
     form: Mapping[str, Sequence[str]]
 
 
-class MediaStream:
+class MediaStream(ABC):
     """What the carriers' stream protocols share (media, mark, dtmf, stop, connected); an adapter adds its `start`,
     any events of its own, and its outbound messages."""
 
@@ -113,12 +114,13 @@ class MediaStream:
             return Connected()
         return self.other(str(event), message)
 
+    @abstractmethod
     def start(self, message: dict[str, Any]) -> Start:
-        raise NotImplementedError
+        """The stream's start message, read by the carrier's names."""
 
+    @abstractmethod
     def verify(self, request: Webhook) -> None:
         """Raises PERMISSION_DENIED unless the carrier signed this webhook."""
-        raise NotImplementedError
 
     def call_id(self, request: Webhook) -> str:
         """The call a verified webhook announces (its stream token is bound to it): both carriers' voice webhooks
@@ -138,14 +140,17 @@ class MediaStream:
             f'<Parameter name="token" value={quoteattr(token)}/></Stream></Connect></Response>'
         )
 
+    @abstractmethod
     def media(self, stream_id: str, audio: bytes) -> dict[str, Any]:
-        raise NotImplementedError
+        """A media message carrying `audio` (G.711 at 8 kHz) to the caller."""
 
+    @abstractmethod
     def mark(self, stream_id: str, name: str) -> dict[str, Any]:
-        raise NotImplementedError
+        """A mark message: the carrier echoes it once the audio before it has played."""
 
+    @abstractmethod
     def clear(self, stream_id: str) -> dict[str, Any]:
-        raise NotImplementedError
+        """A clear message: the carrier drops the audio it still holds."""
 
     def other(self, event: str, message: dict[str, Any]) -> CarrierEvent:
         raise invalid(f"event {event[:32]!r} unknown; {self.name} sends {self.events}")
