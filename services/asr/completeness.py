@@ -171,9 +171,11 @@ class TurnScorer:
         """The completeness of a pause a language model scored `probability` (common scale), from that score alone or,
         with a learned fusion, fused with the draft's confidence and the audio model's score (when it is in)."""
         learned = self.learned
-        if learned is None or (learned.uses_audio and audio_score is None):
+        if learned is None:
             return lm_completeness(probability)
         values = features_of(transcript, learned.text_scorer, probability, audio_score)
+        if not set(learned.features) <= values.keys():  # a signal the fusion weighs is not in: the score alone
+            return lm_completeness(probability)
         return learned.completeness(learned.logit(values))
 
     def close(self) -> None:

@@ -30,6 +30,9 @@ class Transcript:
     """The decoder's mean log-probability per token (Whisper's own confidence; 0.0: not known)."""
     no_speech_prob: float = 0.0
     """The decoder's probability that the audio held no speech."""
+    end_probability: float | None = None
+    """The decoder's P that the utterance ends after its last word (a full stop, question or exclamation mark, or
+    the end of the text next), which hears the voice's fall as well as the words (None: not asked or not known)."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class DecodeOptions:
     trimmed: bool = True
     """Decode only the audio present (plus padding) rather than the engine's fixed window."""
     word_timings: bool = True
+    end_probability: bool = False
+    """Also give the decoder's P that the utterance ends after its last word (`Transcript.end_probability`)."""
 
 
 @dataclass(frozen=True)

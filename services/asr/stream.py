@@ -52,7 +52,8 @@ class RecognitionStream:
         trimmed = config.decode_window != asr_pb2.DECODE_WINDOW_FULL and capabilities.trimmed_decode
         language = capabilities.language_for(config.language)
         word_timings = capabilities.word_timings and not config.skip_word_timings  # else finals carry no words
-        self._final_options = DecodeOptions(language, trimmed, word_timings)
+        weighs_end = scorer is not None and scorer.learned is not None and "whisper_end" in scorer.learned.features
+        self._final_options = DecodeOptions(language, trimmed, word_timings, end_probability=weighs_end)
         self._partial_options = DecodeOptions(language, capabilities.trimmed_decode, word_timings=False)
         self.partial_interval_ms = config.partial_interval_ms or 200
         self.progress_interval_ms = config.progress_interval_ms  # 0: no Progress events

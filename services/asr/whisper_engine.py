@@ -19,6 +19,36 @@ SAMPLE_RATE_HZ = 16000
 HOP_SAMPLES = 160  # one mel frame = 10 ms
 PADDING_S = 2.0  # with less padding the decoder falls into repetition loops (docs/decisions/0001)
 FULL_WINDOW_FRAMES = 3000  # Whisper's 30 s
+END_MARKS = (".", "?", "!")
+"""The tokens after a word that end an utterance, with the end of the text."""
+
+
+class _LogitsTap:
+    """The CTranslate2 Whisper model as faster-whisper calls it; a thread that asks also gets each step's vocabulary
+    logits from its decodes (`generate(return_logits_vocab=True)`, which faster-whisper does not expose)."""
+
+    def __init__(self, model: object) -> None:
+        self._model = model
+        self._local = threading.local()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)
+
+    def tap(self, on: bool) -> None:
+        self._local.results = [] if on else None
+
+    @property
+    def tapped(self) -> list:
+        """This thread's decode results, in order, since it asked (empty: not asked)."""
+        return getattr(self._local, "results", None) or []
+
+    def generate(self, *args: object, **kwargs: object) -> object:
+        results = getattr(self._local, "results", None)
+        if results is None:
+            return self._model.generate(*args, **kwargs)
+        answer = self._model.generate(*args, **kwargs, return_logits_vocab=True)
+        results.append(answer[0])
+        return answer
 
 
 def default_model_dir() -> Path:
@@ -97,6 +127,10 @@ class WhisperTranscriber:
             return full_encode(features)
 
         self._model.encode = encode
+        self._tap = _LogitsTap(self._model.model)
+        self._model.model = self._tap
+        vocabulary = self._model.hf_tokenizer
+        self._end_ids = [vocabulary.token_to_id(mark) for mark in END_MARKS] + [vocabulary.token_to_id("<|endoftext|>")]
         multilingual = bool(self._model.model.is_multilingual)
         self.capabilities = TranscriberCapabilities(
             languages=frozenset(self._model.supported_languages),
@@ -107,10 +141,40 @@ class WhisperTranscriber:
         )
 
     def transcribe(self, audio: np.ndarray, options: DecodeOptions | None = None) -> Transcript:
-        """Decode one utterance (at most 30 s). `trimmed=False` is the 30 s-window baseline."""
+        """Decode one utterance (at most 30 s). `trimmed=False` is the 30 s-window baseline.
+
+        Whisper sometimes ends its text before the speech ends ("...let you know if" of "...let you know if I need
+        anything further."): the words lost, the line reads unfinished and waits the long hangover. With word
+        timings, speech heard after the last word is decoded on its own and its words appended."""
         options = options or DecodeOptions()
-        started = time.monotonic_ns()
         audio = np.asarray(audio, dtype=np.float32)[: 30 * SAMPLE_RATE_HZ]
+        heard = self.decode_once(audio, options)
+        for _ in range(UNHEARD_DECODES if options.word_timings else 0):
+            rest_s = heard.words[-1].end_s if heard.words else 0.0
+            if not heard.words or _speech_after_s(audio, rest_s + UNHEARD_GAP_S) < UNHEARD_SPEECH_S:
+                break
+            rest = self.decode_once(audio[int(rest_s * SAMPLE_RATE_HZ) :], options)
+            words = [WordTiming(w.text, w.start_s + rest_s, w.end_s + rest_s, w.probability) for w in rest.words]
+            if words and _norm(words[0].text) == _norm(heard.words[-1].text):
+                words = words[1:]  # the last word heard again
+            if not words:
+                break
+            every = [*heard.words, *words]
+            heard = Transcript(
+                text=" ".join(w.text for w in every),
+                words=every,
+                compute_ms=heard.compute_ms + rest.compute_ms,
+                done_us=rest.done_us,
+                language=heard.language,
+                avg_logprob=min(heard.avg_logprob, rest.avg_logprob),
+                no_speech_prob=heard.no_speech_prob,
+                end_probability=rest.end_probability,
+            )
+        return heard
+
+    def decode_once(self, audio: np.ndarray, options: DecodeOptions) -> Transcript:
+        """One decode, as Whisper gives it: its text may end before the speech does (see `transcribe`)."""
+        started = time.monotonic_ns()
         duration_s = len(audio) / SAMPLE_RATE_HZ
         if options.trimmed:
             padded = np.concatenate([audio, np.zeros(int(PADDING_S * SAMPLE_RATE_HZ), dtype=np.float32)])
@@ -119,6 +183,7 @@ class WhisperTranscriber:
         else:
             padded = audio
             self._window.frames = None
+        self._tap.tap(options.end_probability)
         try:
             segments, info = self._model.transcribe(
                 padded,
@@ -135,6 +200,7 @@ class WhisperTranscriber:
             segments = list(segments)
         finally:
             self._window.frames = None
+            tapped, _ = self._tap.tapped, self._tap.tap(False)
         words = [
             WordTiming(w.word.strip(), w.start, w.end, w.probability)
             for segment in segments
@@ -155,7 +221,48 @@ class WhisperTranscriber:
             language=str(info.language),
             avg_logprob=sum(s.avg_logprob * len(s.tokens) for s in segments) / tokens if tokens else 0.0,
             no_speech_prob=max((s.no_speech_prob for s in segments), default=0.0),
+            end_probability=self._end_probability(tapped, text) if tapped else None,
         )
+
+    def _end_probability(self, results: list, text: str) -> float | None:
+        """P(a full stop, ? or ! or the end of the text) at the decode step after `text`'s last word (its tidied
+        words, a prefix of the decodes' tokens), from that step's logits; None when the words do not map onto them."""
+        target = _norm(text)  # letters and digits only: word splits and punctuation may differ from the tokens'
+        decode = self._model.hf_tokenizer.decode
+        before: list[int] = []
+        for result in results:
+            tokens, steps = result.sequences_ids[0], result.logits[0]
+            for i in range(1, min(len(tokens), len(steps) - 1) + 1):
+                if decode(tokens[i : i + 1])[:1].isalnum():  # the next token goes on with the same word
+                    continue
+                if _norm(decode(before + tokens[:i])) != target:
+                    continue
+                logits = np.asarray(steps[i], dtype=np.float64)
+                probabilities = np.exp(logits - logits.max())
+                return float(probabilities[self._end_ids].sum() / probabilities.sum())
+            before += tokens
+        return None
+
+
+UNHEARD_GAP_S = 0.15
+"""Word end times are this far off at most: sound closer to the last word is that word's."""
+UNHEARD_SPEECH_S = 0.3
+"""Speech this long after the last word (and its gap) is words the decode left out, not a breath or a click."""
+UNHEARD_DECODES = 2
+"""Decodes of what follows the words heard, at most (each costs a decode of the rest)."""
+
+
+def _speech_after_s(audio: np.ndarray, from_s: float) -> float:
+    """How far past `from_s` the audio is still speech: to the end of its last 10 ms block within 30 dB of the
+    loudest block and 10 dB above the noise floor (the 5th percentile of blocks), 0 when there is none."""
+    block = SAMPLE_RATE_HZ // 100
+    blocks = audio[: len(audio) // block * block].reshape(-1, block).astype(np.float64)
+    if not len(blocks):
+        return 0.0
+    level = 10 * np.log10(np.mean(blocks**2, axis=1) + 1e-12)
+    floor = float(np.percentile(level, 5))
+    loud = np.flatnonzero(level > max(level.max() - 30, floor + 10))
+    return max(0.0, (loud[-1] + 1) / 100 - from_s) if len(loud) else 0.0
 
 
 def tidy(words: list[str]) -> list[str]:
