@@ -37,6 +37,9 @@ BENCHMARKS = {
     "turn_fusion": Benchmark(
         "bench.turn_fusion", "end of turn on spoken pauses: each signal alone and fused, cut-offs against dead air"
     ),
+    "asr_rest": Benchmark(
+        "bench.asr_rest", "Whisper's text ending before the speech: decoded once vs the rest decoded and appended"
+    ),
     "routing": Benchmark("bench.routing", "LLM routing over two replicas: sticky vs round-robin, admission on vs off"),
     "llm_batch": Benchmark("bench.llm_batch", "llama.cpp replies at once: batched vs slot engine tokens/s and TTFT"),
     "browser": Benchmark("bench.browser", "V2V in a real browser over WebRTC and WebSocket, beside a gRPC client"),

@@ -12,8 +12,10 @@ after the dialogue so far, by both turn-end scorers, on the common scale the LLM
 Reported, per signal alone and fused: the wait each point gets when the score maps linearly onto the policy's
 64-1200 ms between two points of the score, for the pairs that minimise the finished points' mean wait at each bound
 on the inside points committing within 600 ms, chosen on `fit` and applied to `check` and `real`; and the LLM's score
-alone at its shipped calibration (`shipped`: the mesh without turn_fusion). `--write` stores each fusion at the
-fewest fit cut-offs whose finished median wait is at most 400 ms in services/asr/turn_fusion.json (what the ASR's
+alone at its shipped calibration (`shipped`: the mesh without turn_fusion). `--write` stores each fusion (but those
+that weigh a probability against its direction) at the fewest fit cut-offs whose finished median wait is at most 400
+ms, and never at more cut-offs than the LLM's score alone makes (else at its shortest wait within that), in
+services/asr/turn_fusion.json (what the ASR's
 `turn_fusion` setting loads). The points are cached under --work: a second run only fits.
 """
 
@@ -31,8 +33,8 @@ import numpy as np
 from bench import print_result
 from bench.turns import CLIPS, speech_end_ms
 from services.asr.completeness import SmartTurn, doubted
-from services.asr.engine import WordTiming
-from services.asr.fusion import FUSION_PATH, TurnEndFusion, TurnEndFusions
+from services.asr.engine import DecodeOptions, WordTiming
+from services.asr.fusion import FUSION_PATH, PROBABILITIES, TurnEndFusion, TurnEndFusions
 from services.asr.whisper_engine import WhisperTranscriber
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
@@ -52,7 +54,7 @@ CUT_BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2)
 """Bounds on the share of inside points committing within 600 ms: one operating point per bound."""
 CHOSEN_WAIT_MS = 400
 """The point written with --write: the fewest inside commits within 600 ms whose finished points wait at most this
-long at the median, on the fit split (a long wait for every unsure pause is no answer: it is dead air after most
+long at the median, on the fit split, and no more inside commits than the LLM's score alone makes there (a long wait for every unsure pause is no answer: it is dead air after most
 finished turns)."""
 
 
@@ -120,7 +122,7 @@ class Collector:
     async def point(self, split: str, name: str, context: list[Message], audio: np.ndarray, finished: bool) -> dict:
         """Every signal at a pause after `audio` (16 kHz, ending where the speech stops)."""
         tail = np.concatenate([audio, np.zeros(512, dtype=np.float32)])  # the 32 ms silent window of a candidate
-        draft = self.transcriber.transcribe(tail)
+        draft = self.transcriber.transcribe(tail, DecodeOptions(end_probability=True))
         point: dict[str, object] = {
             "split": split,
             "name": name,
@@ -128,6 +130,7 @@ class Collector:
             "text": draft.text,
             "avg_logprob": draft.avg_logprob,
             "no_speech_prob": draft.no_speech_prob,
+            "whisper_end": draft.end_probability,
             "doubted": doubted(draft),
             "audio": self.smart_turn.probability(tail),
         }
@@ -185,12 +188,16 @@ async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
     return points
 
 
-def waits(z: np.ndarray, vetoed: np.ndarray, high: float, low: float, policy: EndpointingPolicy) -> np.ndarray:
+def waits(
+    z: np.ndarray, vetoed: np.ndarray, high: float, low: float, policy: EndpointingPolicy, alone: np.ndarray
+) -> np.ndarray:
     """The hangover each score gets when `high` maps to the short wait and `low` to the long one (a vetoed point:
-    the long one), as the ASR applies a fusion's operating point."""
-    unsure = np.clip((high - z) / (high - low), 0.0, 1.0)
+    the long one), as the ASR applies a fusion's operating point; where a signal is missing (z is NaN), `alone`:
+    the wait the LLM's score alone gives."""
+    unsure = np.clip((high - np.nan_to_num(z)) / (high - low), 0.0, 1.0)
     unsure[vetoed] = 1.0
-    return np.round(policy.min_hangover_ms + unsure * (policy.max_hangover_ms - policy.min_hangover_ms))
+    w = np.round(policy.min_hangover_ms + unsure * (policy.max_hangover_ms - policy.min_hangover_ms))
+    return np.where(np.isnan(z), alone, w)
 
 
 def outcome(w: np.ndarray, finished: np.ndarray) -> dict[str, float]:
@@ -206,17 +213,19 @@ def outcome(w: np.ndarray, finished: np.ndarray) -> dict[str, float]:
 def curve(fusion: TurnEndFusion, points: dict[str, list[dict]], policy: EndpointingPolicy) -> list[dict[str, object]]:
     """Per bound on the fit split's inside-within-600 ms share, the operating point that gives the fit split's
     finished points the lowest mean wait, and what it does on every split."""
+    text = fusion.text_scorer or "line_end"
     scored = {
-        split: (fusion.logits(ps), np.array([p["finished"] for p in ps]), _vetoed(ps)) for split, ps in points.items()
+        split: (fusion.logits(ps), _finished(ps), _vetoed(ps), _shipped_waits(ps, text, policy))
+        for split, ps in points.items()
     }
-    z, finished, vetoed = scored["fit"]
-    grid = np.percentile(z, np.linspace(2, 98, 49))
+    z, finished, vetoed, alone = scored["fit"]
+    grid = np.percentile(z[~np.isnan(z)], np.linspace(2, 98, 49))
     rows = []
     for bound in CUT_BOUNDS:
         best: tuple[float, float, float] | None = None
         for high in grid:
             for low in grid[grid < high]:
-                w = waits(z, vetoed, high, low, policy)
+                w = waits(z, vetoed, high, low, policy, alone)
                 if np.mean(w[~finished] < 600) > bound:
                     continue
                 mean = float(np.mean(w[finished]))
@@ -230,7 +239,10 @@ def curve(fusion: TurnEndFusion, points: dict[str, list[dict]], policy: Endpoint
                 "bound": bound,
                 "high": round(high, 4),
                 "low": round(low, 4),
-                **{split: outcome(waits(z_, v_, high, low, policy), f_) for split, (z_, f_, v_) in scored.items()},
+                **{
+                    split: outcome(waits(z_, v_, high, low, policy, a_), f_)
+                    for split, (z_, f_, v_, a_) in scored.items()
+                },
             }
         )
     return rows
@@ -257,10 +269,15 @@ def signals() -> dict[str, tuple[str, ...]]:
         "text_probe": ("probe",),
         "audio": ("audio",),
         "asr_confidence": ("avg_logprob",),
+        "whisper_end": ("whisper_end",),
         "line_end+confidence": ("line_end", "avg_logprob"),
         "probe+confidence": ("probe", "avg_logprob"),
         "line_end+audio+confidence": ("line_end", "audio", "avg_logprob"),
         "probe+audio+confidence": ("probe", "audio", "avg_logprob"),
+        "line_end+whisper_end+confidence": ("line_end", "whisper_end", "avg_logprob"),
+        "probe+whisper_end+confidence": ("probe", "whisper_end", "avg_logprob"),
+        "line_end+audio+whisper_end+confidence": ("line_end", "audio", "whisper_end", "avg_logprob"),
+        "probe+audio+whisper_end+confidence": ("probe", "audio", "whisper_end", "avg_logprob"),
     }
 
 
@@ -296,9 +313,16 @@ def run(sgd: Path, lines_per_split: int, work: Path, write: bool) -> dict[str, o
     if write:
         chosen = []
         for name, fusion in fits.items():
-            if "+" not in name:
+            backwards = [
+                f for f, w in zip(fusion.features, fusion.weights, strict=True) if f in PROBABILITIES and w <= 0
+            ]
+            if "+" not in name or backwards:  # a higher P(finished) read as less finished: adds nothing to the rest
                 continue
-            row = next((r for r in curves[name]["curve"] if r["fit"]["finished_wait_ms_p50"] <= CHOSEN_WAIT_MS), None)
+            # Never more inside commits than the LLM's score alone makes (on fit): else the fusion is no better.
+            alone = report["shipped"][fusion.text_scorer]["fit"]["inside_within_600ms"]
+            rows = [r for r in curves[name]["curve"] if r["fit"]["inside_within_600ms"] <= alone]
+            row = next((r for r in rows if r["fit"]["finished_wait_ms_p50"] <= CHOSEN_WAIT_MS), None)
+            row = row or min(rows, key=lambda r: r["fit"]["finished_wait_ms_p50"], default=None)
             if row is not None:
                 chosen.append(dataclasses.replace(fusion, complete_at=row["high"], incomplete_at=row["low"]))
         TurnEndFusions(tuple(chosen)).save(FUSION_PATH)

@@ -16,7 +16,8 @@ endpoint candidate starts a speculative reply, and its P(turn end) goes back to 
 when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
 on speaking, competing for the cores as it would live. `llm_probe` is the same with the LLM's learned probe as
 its turn-end scorer (`turn_end_scorer=probe`); `llm_fused` and `llm_probe_fused` fuse the LLM's score with the
-draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py). Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
+draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py), `llm_fused_asr` with the
+draft's signals only. Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
 (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
@@ -100,6 +101,7 @@ POLICIES = {
     "llm_probe": Policy(EndpointingPolicy(), False, True, scorer="probe"),  # the learned probe
     "llm_fused": Policy(EndpointingPolicy(), True, True, fused=True),  # turn_model=smart-turn, turn_fusion=SCORER
     "llm_probe_fused": Policy(EndpointingPolicy(), True, True, scorer="probe", fused=True),
+    "llm_fused_asr": Policy(EndpointingPolicy(), False, True, fused=True),  # turn_fusion=SCORER, no audio model
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
@@ -609,8 +611,9 @@ async def measure(
     llm_settings = config.build(LlmSettings, "llm", env=env)
     for name in policies:
         if POLICIES[name].fused:
-            text = POLICIES[name].scorer or llm_settings.turn_end_scorer
-            scorers[(True, text)] = RecordingScorer(smart_turn, TurnEndFusions.load().pick(text, audio=True))
+            text, audio = POLICIES[name].scorer or llm_settings.turn_end_scorer, POLICIES[name].audio
+            fusion = TurnEndFusions.load().pick(text, audio=audio)
+            scorers[(audio, text)] = RecordingScorer(smart_turn if audio else None, fusion)
     llms: dict[str, LlmScorer] = {}
     for scorer_name in {POLICIES[p].scorer or llm_settings.turn_end_scorer for p in policies if POLICIES[p].llm}:
         engine = build_engine(dataclasses.replace(llm_settings, turn_end_scorer=scorer_name))  # as the service does

@@ -21,12 +21,12 @@ from services.asr.engine import Transcript
 from voicemesh.endpointing import COMPLETE_AT, INCOMPLETE_AT
 
 FUSION_PATH = Path(__file__).with_name("turn_fusion.json")
-FEATURES = ("line_end", "probe", "audio", "avg_logprob", "no_speech_prob")
+FEATURES = ("line_end", "probe", "audio", "avg_logprob", "no_speech_prob", "whisper_end")
 """What a fusion may weigh: the LLM's P(turn end) by either scorer (common scale), Smart Turn's P, and the draft
-decode's mean token log-probability and no-speech probability."""
+decode's mean token log-probability, no-speech probability and P(the utterance ends after its last word)."""
 TEXT_SCORERS = ("probe", "line_end")
 """The LLM's turn-end scorers a fusion can be fitted on (its `turn_end_scorer` setting)."""
-PROBABILITIES = frozenset({"line_end", "probe", "audio"})
+PROBABILITIES = frozenset({"line_end", "probe", "audio", "whisper_end"})
 """Features that are probabilities: they enter as log-odds."""
 L2 = 1e-2
 
@@ -45,6 +45,8 @@ def features_of(transcript: Transcript, text_scorer: str, text_p: float, audio_p
     values = {text_scorer: text_p, "avg_logprob": transcript.avg_logprob, "no_speech_prob": transcript.no_speech_prob}
     if audio_p is not None:
         values["audio"] = audio_p
+    if transcript.end_probability is not None:
+        values["whisper_end"] = transcript.end_probability
     return values
 
 
@@ -81,7 +83,16 @@ class TurnEndFusion:
         return self.bias + sum(w * _feature(f, values[f]) for f, w in zip(self.features, self.weights, strict=True))
 
     def logits(self, points: Sequence[Mapping[str, Any]]) -> np.ndarray:
-        return np.array([self.logit({f: float(p[f]) for f in self.features}) for p in points])
+        """Each point's fused log-odds; NaN where one of its signals is missing (None), as the ASR then takes the
+        LLM's score alone."""
+        return np.array(
+            [
+                self.logit({f: float(p[f]) for f in self.features})
+                if all(p.get(f) is not None for f in self.features)
+                else np.nan
+                for p in points
+            ]
+        )
 
     def completeness(self, logit: float) -> float:
         """The fused log-odds on the completeness scale of `hangover_for`: the operating point onto COMPLETE_AT and
@@ -97,7 +108,9 @@ class TurnEndFusion:
 
     @classmethod
     def fit(cls, name: str, features: Sequence[str], points: Sequence[Mapping[str, Any]]) -> TurnEndFusion:
-        """Logistic regression (Newton's method, a light L2 on the weights) of `finished` on `features`."""
+        """Logistic regression (Newton's method, a light L2 on the weights) of `finished` on `features`, over the
+        points that have them all."""
+        points = [p for p in points if all(p.get(f) is not None for f in features)]
         x = np.array([[_feature(f, float(p[f])) for f in features] for p in points])
         y = np.array([1.0 if p["finished"] else 0.0 for p in points])
         x = np.hstack([x, np.ones((len(x), 1))])

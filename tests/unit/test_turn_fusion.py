@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 
 from services.asr.completeness import TurnScorer
@@ -33,11 +34,16 @@ def test_every_text_scorer_has_a_shipped_fusion_with_and_without_audio(scorer: s
 def test_the_shipped_fusions_wait_longer_for_a_less_sure_text_score(scorer: str) -> None:
     fusion = TurnEndFusions.load(FUSION_PATH).pick(scorer, audio=False)
     policy = EndpointingPolicy()
-    waits = [
-        policy.hangover_for(fusion.completeness(fusion.logit({scorer: p, "avg_logprob": -0.2, "no_speech_prob": 0.02})))
-        for p in (0.9, 0.45, 0.2, 0.05)
-    ]
-    assert waits == sorted(waits) and waits[0] < waits[-1], waits
+    seen = set()
+    for logprob in (-0.1, -0.3, -0.6, -1.0):
+        values = {"avg_logprob": logprob, "no_speech_prob": 0.02}
+        waits = [
+            policy.hangover_for(fusion.completeness(fusion.logit({**values, scorer: p})))
+            for p in (0.9, 0.45, 0.2, 0.05)
+        ]
+        assert waits == sorted(waits), (logprob, waits)
+        seen.update(waits)
+    assert {policy.min_hangover_ms, policy.max_hangover_ms} <= seen, seen
 
 
 def test_a_fit_learns_which_way_each_signal_points() -> None:
@@ -105,3 +111,24 @@ def test_log_odds_of_the_extremes_stay_finite() -> None:
     fusion = TurnEndFusions.load(FUSION_PATH).pick("line_end", audio=True)
     value = fusion.logit({"line_end": 1.0, "audio": 0.0, "avg_logprob": -50.0, "no_speech_prob": 1.0})
     assert math.isfinite(value)
+
+
+def test_whisper_end_enters_a_fusion_that_weighs_it_and_its_absence_leaves_the_llm_alone() -> None:
+    fusion = TurnEndFusion("t", ("line_end", "whisper_end"), (1.0, 1.0), 0.0, complete_at=1.0, incomplete_at=-1.0)
+    scorer = TurnScorer(None, learned=fusion)
+    heard = Transcript("Book a table.", avg_logprob=-0.2, end_probability=0.9)
+    unsure = Transcript("Book a table", avg_logprob=-0.2, end_probability=0.1)
+    assert scorer.with_language_model(heard, 0.5, None) > scorer.with_language_model(unsure, 0.5, None)
+    unknown = Transcript("Book a table.", avg_logprob=-0.2)  # the decode's words did not map onto its tokens
+    assert scorer.with_language_model(unknown, 0.5, None) == lm_completeness(0.5)
+
+
+def test_a_point_missing_a_signal_is_left_out_of_a_fit_and_scores_nan() -> None:
+    points = [
+        {"finished": i % 2 == 0, "line_end": 0.7 if i % 2 == 0 else 0.2, "whisper_end": 0.5 if i % 3 else None}
+        for i in range(60)
+    ]
+    fusion = TurnEndFusion.fit("t", ("line_end", "whisper_end"), points)
+    assert fusion.weights_by_name()["line_end"] > 0
+    logits = fusion.logits(points)
+    assert np.isnan(logits[0]) and not np.isnan(logits[1])
