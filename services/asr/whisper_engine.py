@@ -9,6 +9,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from faster_whisper import WhisperModel
@@ -27,7 +28,7 @@ class _LogitsTap:
     """The CTranslate2 Whisper model as faster-whisper calls it; a thread that asks also gets each step's vocabulary
     logits from its decodes (`generate(return_logits_vocab=True)`, which faster-whisper does not expose)."""
 
-    def __init__(self, model: object) -> None:
+    def __init__(self, model: Any) -> None:
         self._model = model
         self._local = threading.local()
 
@@ -38,11 +39,11 @@ class _LogitsTap:
         self._local.results = [] if on else None
 
     @property
-    def tapped(self) -> list:
+    def tapped(self) -> list[Any]:
         """This thread's decode results, in order, since it asked (empty: not asked)."""
         return getattr(self._local, "results", None) or []
 
-    def generate(self, *args: object, **kwargs: object) -> object:
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
         results = getattr(self._local, "results", None)
         if results is None:
             return self._model.generate(*args, **kwargs)
@@ -200,7 +201,8 @@ class WhisperTranscriber:
             segments = list(segments)
         finally:
             self._window.frames = None
-            tapped, _ = self._tap.tapped, self._tap.tap(False)
+            tapped = self._tap.tapped
+            self._tap.tap(False)
         words = [
             WordTiming(w.word.strip(), w.start, w.end, w.probability)
             for segment in segments
@@ -224,7 +226,7 @@ class WhisperTranscriber:
             end_probability=self._end_probability(tapped, text) if tapped else None,
         )
 
-    def _end_probability(self, results: list, text: str) -> float | None:
+    def _end_probability(self, results: list[Any], text: str) -> float | None:
         """P(a full stop, ? or ! or the end of the text) at the decode step after `text`'s last word (its tidied
         words, a prefix of the decodes' tokens), from that step's logits; None when the words do not map onto them."""
         target = _norm(text)  # letters and digits only: word splits and punctuation may differ from the tokens'
