@@ -17,7 +17,7 @@ when a prefill already scored the candidate's words, else from the reply; the re
 on speaking, competing for the cores as it would live. `llm_probe` is the same with the LLM's learned probe as
 its turn-end scorer (`turn_end_scorer=probe`); `llm_fused` and `llm_probe_fused` fuse the LLM's score with the
 draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py), `llm_fused_asr` with the
-draft's signals only. Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
+draft's signals only; `llm_longest_800` and `llm_longest_600` wait at most that long after an unsure pause. Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
 (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
 
@@ -102,6 +102,9 @@ POLICIES = {
     "llm_fused": Policy(EndpointingPolicy(), True, True, fused=True),  # turn_model=smart-turn, turn_fusion=SCORER
     "llm_probe_fused": Policy(EndpointingPolicy(), True, True, scorer="probe", fused=True),
     "llm_fused_asr": Policy(EndpointingPolicy(), False, True, fused=True),  # turn_fusion=SCORER, no audio model
+    # The longest wait shortened (a session's endpointing.max_hangover_ms; the Realtime door's eagerness "high": 600).
+    "llm_longest_800": Policy(EndpointingPolicy(max_hangover_ms=800), False, True),
+    "llm_longest_600": Policy(EndpointingPolicy(max_hangover_ms=600), False, True),
     # Not in the default run: without prefills; with them, but every pause waiting for its reply's score.
     "llm_no_prefill": Policy(EndpointingPolicy(), False, True, prefill=False),
     "llm_reply_scores": Policy(EndpointingPolicy(), False, True, prefill_scores=False),
