@@ -20,11 +20,12 @@ import numpy as np
 from bench import print_result
 from bench.turn_fusion import CONDITIONS, SPEEDS, TAIL_S, _condition, _lines
 from bench.turn_sentences import CHECK, READ, TUNE
-from bench.turns import CLIPS, _piper_says, speech_end_ms
+from bench.turns import CLIPS, _piper_says
+from harness.clips import TRANSCRIPTS
 from services.asr.engine import DecodeOptions
 from services.asr.whisper_engine import WhisperTranscriber
 from services.llm.turn_probe_data import sgd_dialogues
-from voicemesh.audio import read_wav, resample
+from voicemesh.audio import read_wav, resample, speech_end_ms
 from voicemesh.evaluation import word_error_rate, words_of
 
 PAUSE = np.zeros(512, dtype=np.float32)  # the first silent window of a pause
@@ -47,8 +48,6 @@ def _utterances(sgd: Path | None, lines: int) -> list[tuple[str, str, np.ndarray
         dialogues = list(sgd_dialogues(sgd / "test"))
         random.Random("asr-rest").shuffle(dialogues)
         spoken += _read("sgd", [line for _, line in _lines(dialogues, lines, "asr-rest")], rng)
-    from harness.clips import TRANSCRIPTS
-
     for clip in sorted(CLIPS.glob("*.wav")):
         audio = read_wav(clip).to_rate(16000).samples
         audio = audio[: int((speech_end_ms(audio, 16000) / 1000 + TAIL_S) * 16000)]

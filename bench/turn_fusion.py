@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import print_result
-from bench.turns import CLIPS, speech_end_ms
+from bench.turns import CLIPS
 from services.asr.completeness import SmartTurn, doubted
 from services.asr.engine import DecodeOptions, WordTiming
 from services.asr.fusion import FUSION_PATH, PROBABILITIES, TurnEndFusion, TurnEndFusions
@@ -40,7 +40,7 @@ from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from services.llm.turn_probe_data import Dialogue, clean, sgd_dialogues
 from voicemesh import config
-from voicemesh.audio import resample
+from voicemesh.audio import read_wav, resample, speech_end_ms
 from voicemesh.endpointing import EndpointingPolicy, lm_completeness
 
 SCORERS = ("probe", "line_end")
@@ -173,8 +173,6 @@ async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
                         await collector.point(split, f"{name}/{k}", context, audio[: _word_end(words, k)], False)
                     )
         for clip in sorted(CLIPS.glob("*.wav")):
-            from voicemesh.audio import read_wav
-
             audio = read_wav(clip).to_rate(16000).samples
             words = collector.transcriber.transcribe(audio).words
             audio = audio[: _end_of_speech(audio, words)]

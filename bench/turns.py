@@ -59,7 +59,7 @@ from services.asr.vad import StreamingVad
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh import config, cpus
-from voicemesh.audio import Clip, read_wav, resample
+from voicemesh.audio import Clip, read_wav, resample, speech_end_ms
 from voicemesh.endpointing import EndpointingPolicy, TurnEndCalibration
 from voicemesh.limits import URGENT_WORDS
 from voicemesh.serving import one_blas_thread
@@ -173,20 +173,6 @@ class Outcome:
     def dead_air_ms(self) -> float | None:
         after = [f for f in self.finals if f.committed_ms >= f.speech_end_ms]
         return after[0].committed_ms - after[0].speech_end_ms if after else None
-
-
-def speech_end_ms(audio: np.ndarray, rate_hz: int) -> float:
-    """End of the last 10 ms block within 35 dB of the clip's loudest block and 10 dB above its noise floor (the
-    5th percentile of its blocks that are not digital silence). Without the floor, a recording's room noise
-    counted as speech: wizard.wav's last 230 ms sit at its floor, -40 to -49 dBFS as before its first word, and
-    every commit in them was scored a cut-off."""
-    block = rate_hz // 100
-    blocks = audio[: len(audio) // block * block].reshape(-1, block)
-    level = 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
-    sounding = level[level > -100]
-    floor = float(np.percentile(sounding, 5)) if len(sounding) else -120.0
-    loud = np.flatnonzero(level > max(level.max() - 35, floor + 10))
-    return float((loud[-1] + 1) * 10)
 
 
 def filler_audio() -> np.ndarray:

@@ -15,6 +15,7 @@ import numpy as np
 from faster_whisper import WhisperModel
 
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript, WordTiming
+from voicemesh.audio import speech_end_ms
 
 SAMPLE_RATE_HZ = 16000
 HOP_SAMPLES = 160  # one mel frame = 10 ms
@@ -151,8 +152,13 @@ class WhisperTranscriber:
         audio = np.asarray(audio, dtype=np.float32)[: 30 * SAMPLE_RATE_HZ]
         heard = self.decode_once(audio, options)
         for _ in range(UNHEARD_DECODES if options.word_timings else 0):
-            rest_s = heard.words[-1].end_s if heard.words else 0.0
-            if not heard.words or _speech_after_s(audio, rest_s + UNHEARD_GAP_S) < UNHEARD_SPEECH_S:
+            if not heard.words:
+                break
+            rest_s = heard.words[-1].end_s
+            if (
+                speech_end_ms(audio, SAMPLE_RATE_HZ, UNHEARD_WITHIN_DB) / 1000 - rest_s - UNHEARD_GAP_S
+                < UNHEARD_SPEECH_S
+            ):
                 break
             rest = self.decode_once(audio[int(rest_s * SAMPLE_RATE_HZ) :], options)
             words = [WordTiming(w.text, w.start_s + rest_s, w.end_s + rest_s, w.probability) for w in rest.words]
@@ -250,21 +256,10 @@ UNHEARD_GAP_S = 0.15
 """Word end times are this far off at most: sound closer to the last word is that word's."""
 UNHEARD_SPEECH_S = 0.3
 """Speech this long after the last word (and its gap) is words the decode left out, not a breath or a click."""
+UNHEARD_WITHIN_DB = 30.0
+"""Sound counts as speech within this of the utterance's loudest (`speech_end_ms`): a breath is quieter."""
 UNHEARD_DECODES = 2
 """Decodes of what follows the words heard, at most (each costs a decode of the rest)."""
-
-
-def _speech_after_s(audio: np.ndarray, from_s: float) -> float:
-    """How far past `from_s` the audio is still speech: to the end of its last 10 ms block within 30 dB of the
-    loudest block and 10 dB above the noise floor (the 5th percentile of blocks), 0 when there is none."""
-    block = SAMPLE_RATE_HZ // 100
-    blocks = audio[: len(audio) // block * block].reshape(-1, block).astype(np.float64)
-    if not len(blocks):
-        return 0.0
-    level = 10 * np.log10(np.mean(blocks**2, axis=1) + 1e-12)
-    floor = float(np.percentile(level, 5))
-    loud = np.flatnonzero(level > max(level.max() - 30, floor + 10))
-    return max(0.0, (loud[-1] + 1) / 100 - from_s) if len(loud) else 0.0
 
 
 def tidy(words: list[str]) -> list[str]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from services.asr.engine import DecodeOptions, Transcript, WordTiming
-from services.asr.whisper_engine import WhisperTranscriber, _speech_after_s
+from services.asr.whisper_engine import UNHEARD_WITHIN_DB, WhisperTranscriber
+from voicemesh.audio import speech_end_ms
 
 RATE = 16000
 
@@ -64,9 +65,9 @@ def test_partials_without_word_timings_are_decoded_once() -> None:
     assert len(decoder.decoded_s) == 1
 
 
-def test_speech_after_counts_sound_not_a_quiet_room() -> None:
+def test_speech_end_counts_sound_not_a_quiet_room() -> None:
     audio = _speech_then_more(1.0, 0.2, 0.5)  # sound 0.2-1.2 s and 1.4-1.9 s
-    assert abs(_speech_after_s(audio, 1.4) - 0.5) < 0.02
-    assert _speech_after_s(audio, 1.95) == 0.0
+    assert abs(speech_end_ms(audio, RATE, UNHEARD_WITHIN_DB) - 1900) < 20
     faint = np.concatenate([_quiet(0.2), _tone(1.0), _tone(0.6, level=0.3 * 10 ** (-40 / 20))])  # a breath, -40 dB
-    assert _speech_after_s(faint, 1.3) == 0.0
+    assert abs(speech_end_ms(faint, RATE, UNHEARD_WITHIN_DB) - 1200) < 20
+    assert speech_end_ms(np.zeros(RATE, dtype=np.float32), RATE) == 0.0
