@@ -28,7 +28,7 @@ from tests.integration.helpers import expect_error, start_gateway
 from voicemesh import clients
 from voicemesh.conversation import talk
 from voicemesh.mesh import wait_healthy
-from voicemesh.v1 import llm_pb2, llm_pb2_grpc
+from voicemesh.v1 import asr_pb2, conversation_pb2, llm_pb2, llm_pb2_grpc
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 USER = llm_pb2.ROLE_USER
@@ -289,10 +289,14 @@ async def test_prompt_longer_than_the_context_is_out_of_range(vllm_llm: str) -> 
 
 async def test_a_spoken_turn_ends_on_vllms_score(services: dict[str, str], vllm_llm: str) -> None:
     """The whole path on vLLM: ASR and TTS services, the gateway, vLLM as the LLM. "The horizon seems extremely
-    distant." (P 0.69) takes the short wait on the score vLLM gave, from a prefill or from the reply."""
+    distant." (P 0.69) takes the short wait on the score vLLM gave, from a prefill or from the reply. vLLM on CPU
+    can queue the score behind the session's own speculative reply past the default 500 ms budget, so the pause
+    waits up to 2 s for it here: the test checks what the score decides, not how fast this machine is."""
+    endpointing = asr_pb2.EndpointingConfig(score_budget_ms=2000)
+    config = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(endpointing=endpointing))
     server = await start_gateway(services["asr"], vllm_llm, services["tts"])
     try:
-        turns, audio, _ = await talk(f"127.0.0.1:{server.port}", load_clip("horizon"), trailing_silence_s=3.0)
+        turns, audio, _ = await talk(f"127.0.0.1:{server.port}", load_clip("horizon"), config, trailing_silence_s=3.0)
     finally:
         await server.stop()
     assert len(turns) == 1 and turns[0].reply_text and audio, turns
