@@ -57,6 +57,7 @@ class TurnRecorder:
     def prefill_scored(self, reply: Reply) -> None:
         """The reply's words came with a prefill's turn-end score: the reply asks for none."""
         telemetry.TURN_END_SCORES.labels("prefill").inc()
+        reply.metrics.turn_end_from_prefill = True
         if reply.span is not None:
             reply.span.set_attribute("turn_end.from_prefill", True)
 
@@ -74,6 +75,8 @@ class TurnRecorder:
         if event.WhichOneof("event") == "final":
             metrics.hangover_ms, metrics.completeness = event.final.hangover_ms, event.final.completeness
         metrics.turn_end_probability = -1.0 if reply.turn_end is None else reply.turn_end
+        if (scored_us := reply.timeline.get("turn_scored")) is not None:
+            metrics.turn_score_ms = max(0.1, (scored_us - receipt_us) / 1000)  # 0 means none came
         reply.committed_us, reply.receipt_us = committed_us, receipt_us
         if reply.speculative:
             telemetry.SPECULATIVE.labels("used", reply.started).inc()

@@ -76,6 +76,7 @@ async def test_a_spoken_question_gets_a_spoken_reply_with_a_complete_turn_metric
     # The LLM scored the finished sentence, and that score set the pause's hangover.
     assert 0 < metrics.turn_end_probability <= 1 and 0 <= metrics.completeness <= 1
     assert 32 <= metrics.hangover_ms <= 1200
+    assert 0 < metrics.turn_score_ms <= metrics.endpoint_ms, "the score reached the gateway before the commit"
     assert turn.metrics.first_audio_received_us >= metrics.first_audio_sent_us, "the downlink was measured"
     assert turn.metrics.downlink_ms < 1000
     # The stages that run one after another fit inside the gateway's V2V, unless they ran before the speech ended.

@@ -52,6 +52,7 @@ REPORT_KEYS = {
     "stages_ms",
     "replies_with_gap",
     "reply_ahead_min_ms",
+    "endpoint_scores",
     "live_sessions",
     "sessions",
     "per_turn",
@@ -78,6 +79,9 @@ TURN_KEYS = {
     "reply_ahead_min_ms",
     "extra_server_turns",
     "errors",
+    "hangover_ms",
+    "turn_score_ms",
+    "turn_end_from_prefill",
 }
 SUMMARY_KEYS = {"count", "p50", "p95", "p99", "max", "mean"}
 LEVEL_KEYS = {
@@ -465,6 +469,22 @@ def test_how_far_ahead_of_playout_later_chunks_came_is_summarized_over_replies_o
     assert report.reply_ahead_min_ms.count == 2  # a reply of one chunk (None) and a failed turn are left out
     assert report.to_json()["reply_ahead_min_ms"]["p50"] == 300.0
     assert "ahead of playout, the tightest per reply: p50 300 ms, least -200 ms (n=2)" in format_summary(report)
+
+
+def test_pauses_are_counted_by_where_their_score_came_from() -> None:
+    report = _report([420.0, 510.0, 640.0, 700.0], failed=1)
+    scores = [(64, 0.1, True), (64, 180.0, False), (500, None, False), (None, None, False), (64, 90.0, True)]
+    scored = [
+        dataclasses.replace(turn, hangover_ms=hangover, turn_score_ms=score_ms, turn_end_from_prefill=prefill)
+        for turn, (hangover, score_ms, prefill) in zip(report.per_turn, scores, strict=True)
+    ]
+    report = dataclasses.replace(report, per_turn=scored)
+    # The turn without server metrics (None) and the failed one are left out.
+    assert report.endpoint_scores == {"from_prefill": 1, "in_time": 1, "none_in_time": 1}
+    assert report.to_json()["endpoint_scores"] == report.endpoint_scores
+    assert "endpoint scores: 1 from a partial's prefill, 1 from the reply in time, 1 pauses took" in (
+        format_summary(report)
+    )
 
 
 def test_html_sweep_report_links_each_level() -> None:

@@ -366,6 +366,8 @@ async def test_a_reply_started_on_a_partial_writes_its_first_words_then_the_rest
         assert done[0].reply_done.text == reply, "the whole reply, each word once"
         assert done[1].metrics.completion_tokens == 9 and done[1].metrics.prompt_tokens == 20
         assert done[1].metrics.started_on_partial and done[1].metrics.speculative_used
+        # Its score came from the partial's prefill, before the end of speech (0.1: before; 0: never).
+        assert done[1].metrics.turn_end_from_prefill and round(done[1].metrics.turn_score_ms, 3) == 0.1
     finally:
         await session.close()
 

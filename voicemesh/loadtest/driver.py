@@ -93,6 +93,7 @@ class TurnResult:
 
     def row(self, origin_us: int) -> TurnRow:
         answer = self.answer
+        server = None if answer is None or answer.metrics is None else answer.metrics.server
         return TurnRow(
             session=self.session,
             turn=self.turn,
@@ -110,10 +111,13 @@ class TurnResult:
             user="" if answer is None else answer.user_text,
             reply="" if answer is None else answer.reply_text,
             interrupted=answer is not None and answer.interrupted,
-            reply_gap_ms=0.0 if answer is None or answer.metrics is None else answer.metrics.server.reply_gap_ms,
+            reply_gap_ms=0.0 if server is None else server.reply_gap_ms,
             reply_ahead_min_ms=_ahead_min_ms(answer),
             extra_server_turns=self.extra_server_turns,
             errors=self.errors,
+            hangover_ms=None if server is None else server.hangover_ms,
+            turn_score_ms=None if server is None or not server.turn_score_ms else round(server.turn_score_ms, 1),
+            turn_end_from_prefill=server is not None and server.turn_end_from_prefill,
         )
 
 

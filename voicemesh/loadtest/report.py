@@ -119,6 +119,13 @@ class TurnRow:
     reply of one chunk."""
     extra_server_turns: int = 0
     """Turns the gateway ended inside this clip (a pause long enough to endpoint)."""
+    hangover_ms: int | None = None
+    """The silence that committed the turn: the short wait when its score said finished, the score budget when the
+    score came too late."""
+    turn_score_ms: float | None = None
+    """Time the pause's completeness score took from the start of the pause (None: none came in time)."""
+    turn_end_from_prefill: bool = False
+    """The LLM's score came from a prefill of a partial before the pause: the pause did not wait for the LLM."""
     errors: list[str] = dataclasses.field(default_factory=list)
     """Session errors that arrived during the turn, `stage:code: message`."""
 
@@ -149,6 +156,15 @@ class LoadTestReport:
         return sum(1 for turn in self.per_turn if turn.ok and turn.reply_gap_ms > 0)
 
     @property
+    def endpoint_scores(self) -> dict[str, int]:
+        """How the OK turns' pauses were scored: by a prefill of a partial before the pause, by the reply to the
+        pause in time, or not in time (the pause waited out the score budget, or the session scores no pauses)."""
+        ok = [turn for turn in self.per_turn if turn.ok and turn.hangover_ms is not None]
+        prefill = sum(1 for turn in ok if turn.turn_end_from_prefill and turn.turn_score_ms is not None)
+        scored = sum(1 for turn in ok if turn.turn_score_ms is not None)
+        return {"from_prefill": prefill, "in_time": scored - prefill, "none_in_time": len(ok) - scored}
+
+    @property
     def reply_ahead_min_ms(self) -> Summary:
         """Over the replies (of OK turns) of more than one chunk: how far ahead of playout their later work ran,
         at its tightest."""
@@ -176,6 +192,7 @@ class LoadTestReport:
             "stages_ms": {stage: summary.to_json() for stage, summary in self.stages_ms.items()},
             "replies_with_gap": self.replies_with_gap,
             "reply_ahead_min_ms": self.reply_ahead_min_ms.to_json(),
+            "endpoint_scores": self.endpoint_scores,
             "live_sessions": [list(step) for step in self.live_sessions],
             "sessions": [dataclasses.asdict(session) for session in self.sessions],
             "per_turn": [dataclasses.asdict(turn) for turn in self.per_turn],
@@ -364,6 +381,12 @@ def format_summary(report: LoadTestReport) -> str:
         lines.append(
             f"later audio ahead of playout, the tightest per reply: p50 {report.reply_ahead_min_ms.p50:.0f} ms,"
             f" least {min(ahead):.0f} ms (n={len(ahead)})"
+        )
+    scores = report.endpoint_scores
+    if any(scores.values()):
+        lines.append(
+            f"endpoint scores: {scores['from_prefill']} from a partial's prefill, {scores['in_time']} from the reply"
+            f" in time, {scores['none_in_time']} pauses took the fixed wait (no score in time)"
         )
     if counts.failed_by_error:
         failures = ", ".join(f"{status} x{count}" for status, count in counts.failed_by_error.items())
