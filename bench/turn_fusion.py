@@ -5,14 +5,15 @@ Spoken pauses. User lines of real dialogue (the Schema-Guided Dialogue dataset: 
 from its test split, no line of either seen by the probe's fit) read by Piper at three speeds, each clean, 20 dB
 quieter, with noise at 15 dB SNR, or through the 8 kHz phone band; each cut at its end (finished) and at two word
 ends inside it (the speaker goes on). The real recordings of ../shared/audio (`real`, never fitted on) at their end and
-at every word end. At each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper
+at every word end; so are those of each `--recordings DIR` (`unheard`: speech no part of voicemesh was tuned on). At each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper
 tiny.en, as the ASR decodes it), Smart Turn's P on the same audio, and the LLM's P(turn end) of the decoded words
 after the dialogue so far, by both turn-end scorers, on the common scale the LLM replicas send.
 
 Reported, per signal alone and fused: the wait each point gets when the score maps linearly onto the policy's
 64-1200 ms between two points of the score, for the pairs that minimise the finished points' mean wait at each bound
 on the inside points committing within 600 ms, chosen on `fit` and applied to `check` and `real`; and the LLM's score
-alone at its shipped calibration (`shipped`: the mesh without turn_fusion). `--write` stores each fusion (but those
+alone at its shipped calibration (`shipped`: the mesh without turn_fusion); and each signal's AUC (finished against
+inside points) per split. `--write` stores each fusion (but those
 that weigh a probability against its direction) at the fewest fit cut-offs whose finished median wait is at most 400
 ms, and never at more cut-offs than the LLM's score alone makes (else at its shortest wait within that), in
 services/asr/turn_fusion.json (what the ASR's
@@ -26,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import random
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -145,6 +147,18 @@ class Collector:
             point[scorer] = engine.turn_end_calibration.standard(raw)
         return point
 
+    async def recordings(self, split: str, clips: list[Path]) -> list[dict]:
+        """Each recording of a finished utterance (16-bit WAV) at its end and at every word end."""
+        points = []
+        for clip in clips:
+            audio = read_wav(clip).to_rate(16000).samples
+            words = self.transcriber.transcribe(audio).words
+            audio = audio[: _end_of_speech(audio, words)]
+            points.append(await self.point(split, clip.stem, [], audio, True))
+            for k in range(1, len(words)):
+                points.append(await self.point(split, f"{clip.stem}/{k}", [], audio[: _word_end(words, k)], False))
+        return points
+
 
 async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
     """Every point of every split."""
@@ -172,18 +186,20 @@ async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
                     points.append(
                         await collector.point(split, f"{name}/{k}", context, audio[: _word_end(words, k)], False)
                     )
-        for clip in sorted(CLIPS.glob("*.wav")):
-            audio = read_wav(clip).to_rate(16000).samples
-            words = collector.transcriber.transcribe(audio).words
-            audio = audio[: _end_of_speech(audio, words)]
-            points.append(await collector.point("real", clip.stem, [], audio, True))
-            for k in range(1, len(words)):
-                points.append(
-                    await collector.point("real", f"{clip.stem}/{k}", [], audio[: _word_end(words, k)], False)
-                )
+        points += await collector.recordings("real", sorted(CLIPS.glob("*.wav")))
     finally:
         await collector.close()
     return points
+
+
+async def collect_recordings(clips: list[Path]) -> list[dict]:
+    """The points of these recordings (split `unheard`)."""
+    collector = Collector()
+    await collector.start()
+    try:
+        return await collector.recordings("unheard", clips)
+    finally:
+        await collector.close()
 
 
 def waits(
@@ -279,14 +295,30 @@ def signals() -> dict[str, tuple[str, ...]]:
     }
 
 
-def run(sgd: Path, lines_per_split: int, work: Path, write: bool) -> dict[str, object]:
-    cache = work / "points.jsonl"
-    if cache.exists():
-        points = [json.loads(line) for line in cache.read_text().splitlines()]
-    else:
-        points = asyncio.run(collect(sgd, lines_per_split))
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        cache.write_text("".join(json.dumps(p) + "\n" for p in points))
+def _cached(path: Path, make: Callable[[], Coroutine[None, None, list[dict]]]) -> list[dict]:
+    if path.exists():
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    points = asyncio.run(make())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(p) + "\n" for p in points))
+    return points
+
+
+def auc(score: np.ndarray, finished: np.ndarray) -> float | None:
+    """P(a finished point scores above an inside one), ties half; points without the score are left out."""
+    known = ~np.isnan(score)
+    done, inside = score[known & finished], score[known & ~finished]
+    if not len(done) or not len(inside):
+        return None
+    above = (done[:, None] > inside[None, :]).mean() + 0.5 * (done[:, None] == inside[None, :]).mean()
+    return round(float(above), 3)
+
+
+def run(sgd: Path, lines_per_split: int, work: Path, write: bool, recordings: Sequence[Path] = ()) -> dict[str, object]:
+    points = _cached(work / "points.jsonl", lambda: collect(sgd, lines_per_split))
+    for directory in recordings:
+        clips = sorted(directory.glob("*.wav"))
+        points += _cached(work / f"unheard-{directory.resolve().name}.jsonl", lambda c=clips: collect_recordings(c))
     by_split: dict[str, list[dict]] = {}
     for point in points:
         by_split.setdefault(point["split"], []).append(point)
@@ -302,7 +334,11 @@ def run(sgd: Path, lines_per_split: int, work: Path, write: bool) -> dict[str, o
     for name, features in signals().items():
         fusion = TurnEndFusion.fit(name, features, by_split["fit"])
         fits[name] = fusion
-        curves[name] = {"weights": fusion.weights_by_name(), "curve": curve(fusion, by_split, policy)}
+        curves[name] = {
+            "weights": fusion.weights_by_name(),
+            "auc": {split: auc(fusion.logits(ps), _finished(ps)) for split, ps in by_split.items()},
+            "curve": curve(fusion, by_split, policy),
+        }
     report["signals"] = curves
     report["shipped"] = {
         scorer: {split: outcome(_shipped_waits(ps, scorer, policy), _finished(ps)) for split, ps in by_split.items()}
@@ -336,8 +372,15 @@ def main() -> None:
         "--work", type=Path, default=Path.home() / ".cache" / "voicemesh" / "turn-fusion", help="points cache"
     )
     parser.add_argument("--write", action="store_true", help="store the fusions in services/asr/turn_fusion.json")
+    parser.add_argument(
+        "--recordings",
+        type=Path,
+        action="append",
+        default=[],
+        help="a directory of more recorded finished utterances (16-bit WAV), never fitted on: split `unheard`",
+    )
     args = parser.parse_args()
-    print_result(run(args.sgd, args.lines, args.work, args.write))
+    print_result(run(args.sgd, args.lines, args.work, args.write, args.recordings))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ utterances waited; per pause, how each signal (audio, text, fused) scored it. `p
 `python -m bench.turns --spoken tune,check,read` runs the same stream over the sentences of bench/turn_sentences.py
 read by Piper instead of the clips: each whole, and cut ~60% in. One synthetic voice, but 80 sentences, none of them
 heard while tuning (the thresholds saw the `tune` half's text): where the clips are four speakers, it shows how the
-policy spreads.
+policy spreads. `--clip-dir DIR` builds the set from other recordings of finished utterances (split `unheard`).
 
 Text alone, word by word and on held-out dialogue, is `python -m bench.turn_text`.
 """
@@ -122,7 +122,7 @@ class Utterance:
     rate_hz: int
     speech_end_ms: float  # where the speaker actually stopped
     pause_ms: int = 0  # the spliced pause's length (spliced only)
-    split: str = ""  # tune | check | read; empty: the clip's (SPLIT)
+    split: str = ""  # tune | check | read | unheard; empty: the clip's (SPLIT)
 
 
 @dataclass(frozen=True)
@@ -181,12 +181,13 @@ def filler_audio() -> np.ndarray:
     return audio[: int(speech_end_ms(audio, 16000) * 16)]
 
 
-def build_set(transcriber: Transcriber, clip_names: list[str]) -> list[Utterance]:
+def build_set(transcriber: Transcriber, clip_names: list[str], directory: Path = CLIPS) -> list[Utterance]:
+    """The set from each clip `directory/NAME.wav`; clips from elsewhere than ../shared/audio are split `unheard`."""
     rng = np.random.default_rng(7)
     utterances: list[Utterance] = []
     filler = filler_audio()
     for name in clip_names:
-        audio = read_wav(CLIPS / f"{name}.wav").to_rate(16000).samples
+        audio = read_wav(directory / f"{name}.wav").to_rate(16000).samples
         end_ms = speech_end_ms(audio, 16000)
         words = transcriber.transcribe(audio[: int((end_ms / 1000 + 0.3) * 16000)]).words
         noise_floor = float(np.sqrt(np.mean(audio[: int(0.05 * 16000)] ** 2)) + 1e-5)
@@ -222,6 +223,9 @@ def build_set(transcriber: Transcriber, clip_names: list[str]) -> list[Utterance
         utterances.append(
             Utterance(f"{name}+um", name, "hesitation", hesitant, 16000, went_on_ms + end_ms, HESITATION_PAUSE_MS)
         )
+    if directory != CLIPS:
+        for utterance in utterances:
+            utterance.split = "unheard"
     return utterances
 
 
@@ -544,7 +548,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, object]:
         "llm_scores_from_prefill": sum(o.prefill_scores for o in outcomes),
         "replies_started_on_partials": sum(o.early_replies for o in outcomes),
     }
-    for split in ("tune", "check", "read"):
+    for split in ("tune", "check", "read", "unheard"):
         rows = [o for o in up_to_600 if o.split == split]
         if not rows:
             continue
@@ -586,7 +590,11 @@ def signal_quality(outcomes: list[Outcome]) -> dict[str, object]:
 
 
 async def measure(
-    clip_names: list[str], policies: list[str], kinds: set[str] | None, spoken: list[str] | None = None
+    clip_names: list[str],
+    policies: list[str],
+    kinds: set[str] | None,
+    spoken: list[str] | None = None,
+    directory: Path = CLIPS,
 ) -> dict[str, object]:
     # The services' settings as a local mesh on this machine's cores runs them (voicemesh up), then the environment's.
     split = {k: str(v) for k, v in cpus.thread_split(cpus.available_cpus()).items()}
@@ -608,7 +616,7 @@ async def measure(
         engine = build_engine(dataclasses.replace(llm_settings, turn_end_scorer=scorer_name))  # as the service does
         await engine.start()
         llms[scorer_name] = LlmScorer(engine, engine.turn_end_calibration)
-    built = spoken_set(transcriber, spoken) if spoken else build_set(transcriber, clip_names)
+    built = spoken_set(transcriber, spoken) if spoken else build_set(transcriber, clip_names, directory)
     utterances = [u for u in built if kinds is None or u.kind in kinds]
     results: dict[str, object] = {"utterances": len(utterances)}
     per_policy: dict[str, list[Outcome]] = {p: [] for p in policies}
@@ -653,17 +661,27 @@ def run(
     policies: list[str] | None = None,
     kinds: set[str] | None = None,
     spoken: list[str] | None = None,
+    directory: Path = CLIPS,
 ) -> dict[str, object]:
-    names = [c for c in (clips or list(SPLIT)) if (CLIPS / f"{c}.wav").exists()]
+    if directory != CLIPS:
+        names = sorted(path.stem for path in directory.glob("*.wav"))
+    else:
+        names = [c for c in (clips or list(SPLIT)) if (CLIPS / f"{c}.wav").exists()]
     if not names and not spoken:
-        return {"skipped": f"no clips under {CLIPS}"}
+        return {"skipped": f"no clips under {directory}"}
     one_blas_thread()  # as the ASR and LLM services do when they serve
-    return asyncio.run(measure(names, policies or list(DEFAULT_POLICIES), kinds, spoken))
+    return asyncio.run(measure(names, policies or list(DEFAULT_POLICIES), kinds, spoken, directory))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clips", default=",".join(SPLIT))
+    parser.add_argument(
+        "--clip-dir",
+        type=Path,
+        default=CLIPS,
+        help="instead of ../shared/audio: every recorded finished utterance (16-bit WAV) here, split `unheard`",
+    )
     parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"of {','.join(POLICIES)}")
     parser.add_argument("--kinds", default="", help="only these kinds (complete,spliced,truncated,quiet20,...)")
     parser.add_argument("--per-utterance", action="store_true", help="include every utterance in the output")
@@ -675,7 +693,7 @@ def main() -> None:
     spoken = [s for s in args.spoken.split(",") if s]
     if unknown := set(spoken) - {"tune", "check", "read"}:
         parser.error(f"--spoken takes tune, check and read, not {','.join(sorted(unknown))}")
-    result = run(args.clips.split(","), args.policies.split(","), kinds, spoken)
+    result = run(args.clips.split(","), args.policies.split(","), kinds, spoken, args.clip_dir)
     print_result(result, drop=None if args.per_utterance else "per_utterance")
 
 

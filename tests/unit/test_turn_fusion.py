@@ -132,3 +132,14 @@ def test_a_point_missing_a_signal_is_left_out_of_a_fit_and_scores_nan() -> None:
     assert fusion.weights_by_name()["line_end"] > 0
     logits = fusion.logits(points)
     assert np.isnan(logits[0]) and not np.isnan(logits[1])
+
+
+def test_auc_counts_finished_points_above_inside_ones_and_leaves_missing_scores_out() -> None:
+    from bench.turn_fusion import auc
+
+    finished = np.array([True, True, False, False, False])
+    assert auc(np.array([0.9, 0.8, 0.1, 0.2, 0.3]), finished) == 1.0
+    assert auc(np.array([0.1, 0.2, 0.9, 0.8, 0.7]), finished) == 0.0
+    assert auc(np.array([0.5, 0.5, 0.5, 0.5, 0.5]), finished) == 0.5  # ties count half
+    assert auc(np.array([0.9, np.nan, 0.1, np.nan, 0.95]), finished) == 0.5
+    assert auc(np.array([0.9, 0.8, np.nan, np.nan, np.nan]), finished) is None
