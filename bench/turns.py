@@ -15,8 +15,8 @@ its TurnController: partial transcripts are prefilled into the real Gemma engine
 endpoint candidate starts a speculative reply, and its P(turn end) goes back to the stream as a TurnScore, at once
 when a prefill already scored the candidate's words, else from the reply; the reply runs on until the user goes
 on speaking, competing for the cores as it would live. `llm_probe` is the same with the LLM's learned probe as
-its turn-end scorer (`turn_end_scorer=probe`); `llm_fused` (the mesh's default) and `llm_probe_fused` fuse the LLM's
-score with the draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py), `llm_fused_asr` with the
+its turn-end scorer (`turn_end_scorer=probe`); `llm_fused` and `llm_probe_fused` fuse the LLM's score with the
+draft's confidence and Smart Turn's (the ASR's `turn_fusion`, services/asr/fusion.py), `llm_fused_asr` with the
 draft's signals only; `llm_longest_800` and `llm_longest_600` wait at most that long after an unsure pause. Not in the default run: `llm_no_prefill` (no prefills) and `llm_reply_scores`
 (prefills, but every pause waits for its reply's score). Clips are split: the thresholds were
 tuned on the `tune` clips; the `check` clips say whether that generalises.
