@@ -5,19 +5,19 @@ Spoken pauses. User lines of real dialogue (the Schema-Guided Dialogue dataset: 
 from its test split, no line of either seen by the probe's fit) read by Piper at three speeds, each clean, 20 dB
 quieter, with noise at 15 dB SNR, or through the 8 kHz phone band; each cut at its end (finished) and at two word
 ends inside it (the speaker goes on). The real recordings of ../shared/audio (`real`, never fitted on) at their end and
-at every word end; so are those of each `--recordings DIR` (`unheard`: speech no part of voicemesh was tuned on). At each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper
-tiny.en, as the ASR decodes it), Smart Turn's P on the same audio, and the LLM's P(turn end) of the decoded words
-after the dialogue so far, by both turn-end scorers, on the common scale the LLM replicas send.
+at every word end; so are those of each `--recordings DIR` (`unheard`: speech no part of voicemesh was tuned on). At
+each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper tiny.en, as the ASR
+decodes it), Smart Turn's P on the same audio, and the LLM's P(turn end) of the decoded words after the dialogue so
+far, by both turn-end scorers, on the common scale the LLM replicas send.
 
 Reported, per signal alone and fused: the wait each point gets when the score maps linearly onto the policy's
 64-1200 ms between two points of the score, for the pairs that minimise the finished points' mean wait at each bound
 on the inside points committing within 600 ms, chosen on `fit` and applied to `check` and `real`; and the LLM's score
 alone at its shipped calibration (`shipped`: the mesh without turn_fusion); and each signal's AUC (finished against
-inside points) per split. `--write` stores each fusion (but those
-that weigh a probability against its direction) at the fewest fit cut-offs whose finished median wait is at most 400
-ms, and never at more cut-offs than the LLM's score alone makes (else at its shortest wait within that), in
-services/asr/turn_fusion.json (what the ASR's
-`turn_fusion` setting loads). The points are cached under --work: a second run only fits.
+inside points) per split. `--write` stores each fusion (but those that weigh a probability against its direction) at
+the fewest fit cut-offs whose finished median wait is at most 400 ms, and never at more cut-offs than the LLM's score
+alone makes (else at its shortest wait within that), in services/asr/turn_fusion.json (what the ASR's `turn_fusion`
+setting loads). The points are cached under --work: a second run only fits.
 """
 
 from __future__ import annotations

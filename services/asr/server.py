@@ -54,9 +54,9 @@ class AsrSettings(config.ServerSettings):
     )
     turn_model: str = config.setting(
         "text",
-        "end-of-turn audio score at each pause: text (none: the draft transcript's ending only; no extra CPU) or "
-        "smart-turn (the Smart Turn v3.2 audio model, fused with the LLM's score by turn_fusion; it costs CPU at "
-        "every pause, so give the pod a core more) (docs/decisions/0005, 0039)",
+        "end-of-turn score at each pause: text (the draft transcript's ending; no extra CPU) or smart-turn (the "
+        "Smart Turn v3.2 audio model fused 1:3 with the text, and with turn_fusion into the LLM's score; it costs "
+        "CPU at every pause, so give the pod a core more; docs/decisions/0005, 0039)",
     )
     turn_fusion: str = config.setting(
         "",
