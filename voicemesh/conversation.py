@@ -146,16 +146,17 @@ class ConversationClient:
     async def events(self) -> AsyncIterator[Event]:
         assert self._channel is not None, "use `async with ConversationClient(...)`"
         stub = conversation_pb2_grpc.ConversationStub(self._channel)
-        attempts = 0
+        attempts, core_retried = 0, False
         while True:
             self._call_seq = 0  # seq restarts with each call
             self._accepted = accepted = asyncio.Event()
             if self._closed:
                 accepted.set()
             call = stub.Converse(self._requests(accepted), metadata=self.credentials.metadata())
+            received = False
             try:
                 async for message in call:
-                    attempts = 0
+                    attempts, received = 0, True
                     accepted.set()
                     event = self._convert(message)
                     if isinstance(event, Started):
@@ -165,6 +166,11 @@ class ConversationClient:
                     yield event
                 return
             except grpc.aio.AioRpcError as error:
+                if error.code() == grpc.StatusCode.INTERNAL and not received and not core_retried:
+                    # A gateway that refuses the session at once can race the config's write, and grpcio then
+                    # reports INTERNAL instead of the gateway's status (grpc/grpc#36066): ask once more to learn it.
+                    core_retried = True
+                    continue
                 retryable = error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
                 if not retryable or self._closed or attempts >= self.reconnect_attempts:
                     raise

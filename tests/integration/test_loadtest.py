@@ -18,6 +18,7 @@ from tests.conftest import clip_path, free_port
 from tests.unit.test_loadtest import REPORT_KEYS  # the keys users' tooling reads, written once
 from voicemesh import cli
 from voicemesh.clients import Credentials
+from voicemesh.conversation import ConversationClient
 from voicemesh.loadtest import LoadTestOptions, LoadTestReport, loadtest, run_loadtest
 from voicemesh.stages import STAGE_NAMES
 from voicemesh.v1 import conversation_pb2, conversation_pb2_grpc
@@ -194,6 +195,40 @@ class RefusingGateway(conversation_pb2_grpc.ConversationServicer):
     async def Converse(self, request_iterator, context):
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "this gateway is at its limit of 0 sessions")
         yield conversation_pb2.ConverseEvent()
+
+
+class FirstCallInternalGateway(RefusingGateway):
+    """Refuses every session; its first call ends INTERNAL, as grpcio reports a refusal that raced the config's
+    write (grpc/grpc#36066); with `always`, every call does."""
+
+    def __init__(self, always: bool = False) -> None:
+        self.calls, self.always = 0, always
+
+    async def Converse(self, request_iterator, context):
+        self.calls += 1
+        if self.calls == 1 or self.always:
+            await context.abort(grpc.StatusCode.INTERNAL, "Internal error from Core")
+        async for event in super().Converse(request_iterator, context):
+            yield event
+
+
+@pytest.mark.parametrize(("always", "code", "calls"), [(False, "RESOURCE_EXHAUSTED", 2), (True, "INTERNAL", 2)])
+async def test_a_refusal_grpcio_reports_as_internal_is_asked_once_more_for_the_gateways_status(
+    always: bool, code: str, calls: int
+) -> None:
+    servicer = FirstCallInternalGateway(always)
+    server = grpc.aio.server()
+    conversation_pb2_grpc.add_ConversationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with ConversationClient(f"127.0.0.1:{port}", conversation_pb2.SessionConfig(), reconnect_attempts=0) as c:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                async for _ in c.events():
+                    pass
+    finally:
+        await server.stop(0)
+    assert raised.value.code().name == code and servicer.calls == calls
 
 
 class TtsDownGateway(conversation_pb2_grpc.ConversationServicer):
