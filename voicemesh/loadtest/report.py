@@ -123,7 +123,8 @@ class TurnRow:
     """The silence that committed the turn: the short wait when its score said finished, the score budget when the
     score came too late."""
     turn_score_ms: float | None = None
-    """Time the pause's completeness score took from the start of the pause (None: none came in time)."""
+    """When the LLM's P(turn end) reached the gateway, ms after the end of speech did (0.1: before it; None: none
+    came before the commit)."""
     turn_end_from_prefill: bool = False
     """The LLM's score came from a prefill of a partial before the pause: the pause did not wait for the LLM."""
     errors: list[str] = dataclasses.field(default_factory=list)
