@@ -53,6 +53,12 @@ GAP_S = 6.0  # silence between a conversation's utterances: a reply (at most SHO
 DEFAULT_CLIPS = ("spk2_snt1", "horizon", "spk1_snt1")
 QUICK_FAULTS = [("asr", "sigkill"), ("llm", "sigstop"), ("tts", "sigterm")]  # one a stage: what `make test` runs
 SHORT_REPLY = conversation_pb2.SessionConfig(options=conversation_pb2.PipelineOptions(max_tokens=24))
+SHORT_REPLY_AFTER_COMMIT = conversation_pb2.SessionConfig(
+    options=conversation_pb2.PipelineOptions(max_tokens=24, speculative_start=False)
+)
+"""For a TTS fault: a short reply started speculatively is often synthesized whole while the end of turn is still
+being decided, and its audio is then released at once, leaving no moment "speaking and still synthesizing" to strike."""
+CONFIGS = {"asr": SHORT_REPLY, "llm": SHORT_REPLY, "tts": SHORT_REPLY_AFTER_COMMIT}
 
 
 @dataclass
@@ -133,10 +139,12 @@ def script(clips: Sequence[Clip], utterances: int, offset: int) -> Clip:
     return Clip(np.concatenate(pieces).astype(np.float32), 16000)
 
 
-async def converse(target: str, conversation: Conversation, clip: Clip, delay_s: float) -> None:
+async def converse(
+    target: str, conversation: Conversation, clip: Clip, delay_s: float, config: conversation_pb2.SessionConfig
+) -> None:
     await asyncio.sleep(delay_s)
     try:
-        conversation.turns, _, conversation.events = await talk(target, clip, SHORT_REPLY, trailing_silence_s=6.0)
+        conversation.turns, _, conversation.events = await talk(target, clip, config, trailing_silence_s=6.0)
     except Exception as error:  # a conversation that died is a figure, not a crash of the benchmark
         conversation.error = f"{type(error).__name__}: {error}"
 
@@ -311,7 +319,9 @@ async def run_fault(
     try:
         with watching_sessions(server, conversations), tracking_streams():
             talks = [
-                asyncio.ensure_future(converse(target, c, script(clips, utterances, c.index), c.index * 0.7))
+                asyncio.ensure_future(
+                    converse(target, c, script(clips, utterances, c.index), c.index * 0.7, CONFIGS[stage])
+                )
                 for c in conversations
             ]
             await asyncio.sleep(first_turn_s)

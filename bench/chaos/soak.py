@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.faults import Conversation, converse, inject, script, start_gateway, victim_of
+from harness.faults import SHORT_REPLY, Conversation, converse, inject, script, start_gateway, victim_of
 from voicemesh.audio import Clip
 from voicemesh.conversation import ReplyDone
 from voicemesh.mesh import Mesh
@@ -46,7 +46,8 @@ async def run_soak(mesh: Mesh, clips: Sequence[Clip], duration_s: float, session
         round_ = 0
         while time.monotonic() < deadline - 20:
             conversation = Conversation(index, 3)
-            await converse(target, conversation, script(clips, 3, index + round_), index * 0.7 if not round_ else 0)
+            clip = script(clips, 3, index + round_)
+            await converse(target, conversation, clip, index * 0.7 if not round_ else 0, SHORT_REPLY)
             done = {e.turn_index for e in conversation.events if isinstance(e, ReplyDone)}
             report.turns_attempted += 3
             report.turns_completed += min(3, len([t for t in conversation.turns if t.turn_index in done]))

@@ -53,13 +53,14 @@ class AsrSettings(config.ServerSettings):
         "waits for a partial in flight (docs/decisions/0021)",
     )
     turn_model: str = config.setting(
-        "text",
-        "end-of-turn score at each pause: text (the draft transcript's ending; no extra CPU) or smart-turn (the "
-        "Smart Turn v3.2 audio model fused 1:3 with the text, and with turn_fusion into the LLM's score; it costs "
-        "CPU at every pause, so give the pod a core more; docs/decisions/0005, 0039)",
+        "smart-turn",
+        "end-of-turn audio score at each pause: smart-turn (the Smart Turn v3.2 audio model, fused with the LLM's "
+        "score by turn_fusion; ~140 ms of a core at every pause, so give the pod a core more) or text (none: the "
+        "draft transcript's ending only; no extra CPU, more cut-offs and dead air on unheard speech) "
+        "(docs/decisions/0005, 0039, 0040)",
     )
     turn_fusion: str = config.setting(
-        "",
+        "line_end",
         "fuse the LLM's turn-end score with the draft's confidence (and, with turn_model=smart-turn, the audio "
         "model's score) by the fit on that text scorer in services/asr/turn_fusion.json: the LLM's turn_end_scorer, "
         "line_end or probe; empty: the LLM's score alone (docs/decisions/0037, 0039)",

@@ -81,6 +81,8 @@ class RecognitionStream:
         self._loudness = Loudness()
         self._scorer = None if policy.fixed_hangover else scorer
         self._audio_score: tuple[int, float] | None = None  # the audio model's score of the newest pause scored
+        self._audio_scoring: set[int] = set()  # pauses whose audio score is being computed
+        self._parked: asr_pb2.TurnScore | None = None  # a language model's score waiting for that audio score
         self._score_ms: dict[int, float] = {}  # pause id -> time its completeness score took
         self._pause_started_ns = 0  # when the open pause's first silent window was seen
         self._last_partial_ms = 0
@@ -165,17 +167,24 @@ class RecognitionStream:
         pause_id = endpointer.pause_id
         audio, _ = self._turn_audio()
         started_ns = time.monotonic_ns()
+        if scorer.audio_model is not None:
+            self._audio_scoring.add(pause_id)
 
         async def score() -> None:
             try:
-                audio_score = await scorer.audio_score(audio)
+                try:
+                    audio_score = await scorer.audio_score(audio)
+                finally:
+                    self._audio_scoring.discard(pause_id)
                 if audio_score is not None:
                     self._audio_score = (pause_id, audio_score)
+                self._unpark(pause_id)
                 text = (await draft).result.text if draft is not None else ""
                 completeness = scorer.fuse(audio_score, text)
             except Exception:
                 log.exception("completeness score failed", extra={"session_id": self.config.session_id})
                 telemetry.TURN_SCORES.labels("failed").inc()
+                self._unpark(pause_id)
                 return
             elapsed_ms = (time.monotonic_ns() - started_ns) / 1e6
             telemetry.COMPUTE.labels("asr_turn_score").observe(elapsed_ms / 1000)
@@ -208,6 +217,23 @@ class RecognitionStream:
         elapsed_ms = (time.monotonic_ns() - self._pause_started_ns) / 1e6
         telemetry.COMPUTE.labels("asr_turn_score_lm").observe(elapsed_ms / 1000)
         self._score_ms[score.pause_id] = elapsed_ms
+        learned = self._scorer.learned
+        if learned is not None and learned.uses_audio and score.pause_id in self._audio_scoring:
+            # The fusion weighs the audio model's score, which is on its way: the pause waits for it (within the
+            # score budget, as it waited for this score), so the fused score, not this one alone, decides.
+            self._parked = score
+            return
+        self._apply_turn_score(score)
+
+    def _unpark(self, pause_id: int) -> None:
+        """The audio score of `pause_id` is in (or failed): decide the pause on a language model's score parked
+        for it."""
+        parked, self._parked = self._parked, None
+        if parked is not None and parked.pause_id == pause_id:
+            self._apply_turn_score(parked)
+
+    def _apply_turn_score(self, score: asr_pb2.TurnScore) -> None:
+        assert self._scorer is not None
         completeness = lm_completeness(score.probability)
         draft = self._draft
         if draft is not None and draft.done() and not draft.cancelled() and draft.exception() is None:
@@ -221,7 +247,7 @@ class RecognitionStream:
             if reason is not None:
                 telemetry.TURN_SCORES_VETOED.labels(reason).inc()
                 completeness = min(completeness, INCOMPLETE_AT)
-        for event in endpointer.score(score.pause_id, completeness, decisive=True):
+        for event in self._endpointer.score(score.pause_id, completeness, decisive=True):
             self._on_vad(event)
 
     def set_urgency(self, urgency: asr_pb2.Urgency) -> None:

@@ -27,7 +27,7 @@ from voicemesh import telemetry
 from voicemesh.conversation import ReplyAudio, ReplyDone, ReplyText, SessionError, TalkTurn, talk
 from voicemesh.evaluation import word_error_rate, words_of
 from voicemesh.mesh import Mesh
-from voicemesh.v1 import conversation_pb2
+from voicemesh.v1 import asr_pb2, conversation_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -50,6 +50,13 @@ TALKATIVE_SHORT_AFTER_COMMIT = conversation_pb2.SessionConfig(
 TALKATIVE_AFTER_COMMIT = conversation_pb2.SessionConfig(
     system_prompt=TALKATIVE.system_prompt,
     options=conversation_pb2.PipelineOptions(max_tokens=120, speculative_start=False),
+)
+# The recording is one turn with a natural pause after its first clause; the failover is what is tested here, not
+# where the end of turn falls, so only a long silence ends it.
+ONE_TURN_WHATEVER_ITS_PAUSES = conversation_pb2.SessionConfig(
+    options=conversation_pb2.PipelineOptions(
+        endpointing=asr_pb2.EndpointingConfig(fixed_hangover=True, hangover_ms=1500, max_hangover_ms=1500)
+    )
 )
 
 
@@ -148,7 +155,9 @@ FAULTS: dict[str, Callable[[Mesh], Callable[[str], None]]] = {"sigkill": sigkill
 
 @pytest.mark.parametrize("fault", FAULTS)
 async def test_an_asr_replica_lost_mid_utterance_loses_no_word(replicas: Mesh, fault: str) -> None:
-    outcome = await converse_through_a_fault(replicas, "asr", FAULTS[fault](replicas), mid_utterance, "wizard")
+    outcome = await converse_through_a_fault(
+        replicas, "asr", FAULTS[fault](replicas), mid_utterance, "wizard", ONE_TURN_WHATEVER_ITS_PAUSES
+    )
     check_the_turn_completed_whole(outcome, "wizard")
     assert outcome.failovers >= 1, "the utterance was replayed to the other replica"
     session = outcome.session

@@ -11,6 +11,7 @@ import pytest
 from services.asr.completeness import TurnScorer
 from services.asr.endpointing import EndpointingPolicy
 from services.asr.engine import DecodeOptions, TranscriberCapabilities, Transcript
+from services.asr.fusion import TurnEndFusion
 from services.asr.stream import (
     DECISION_PARTIAL_PRIORITY,
     FINAL_PRIORITY,
@@ -239,13 +240,13 @@ class SlowScorer(TurnScorer):
 
 
 async def _scored_run(
-    scorer: TurnScorer, lm_probability: float | None = None, text: str = "hello there."
+    scorer: TurnScorer, lm_probability: float | None = None, text: str = "hello there.", turn_scores: bool = False
 ) -> list[asr_pb2.RecognizeEvent]:
     """One utterance (transcribed as `text`) and its pause; with `lm_probability`, the client answers the endpoint
-    candidate with it as the gateway does with the LLM's score."""
+    candidate with it as the gateway does with the LLM's score (with `turn_scores`, as it says it will)."""
     vad = FakeVad()
     events: list[asr_pb2.RecognizeEvent] = []
-    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000)
+    config = asr_pb2.RecognitionConfig(session_id="s", sample_rate_hz=16000, turn_scores=turn_scores)
     policy = EndpointingPolicy(min_hangover_ms=64, hangover_ms=256)
 
     def emit(event: asr_pb2.RecognizeEvent) -> None:
@@ -301,6 +302,34 @@ async def test_a_transcript_ending_in_a_filled_pause_waits_long_whatever_the_lan
 async def test_a_hum_as_the_whole_answer_is_not_a_filled_pause() -> None:
     events = await _scored_run(TurnScorer(None), lm_probability=0.9, text="Mm-hmm.")
     assert _final(events).hangover_ms == 64
+
+
+class FakeAudioScorer(TurnScorer):
+    """A scorer whose audio model answers `probability` after 60 ms (after the language model's score of the
+    candidate is in), with a fusion that weighs the two alike."""
+
+    def __init__(self, probability: float) -> None:
+        fusion = TurnEndFusion("t", ("line_end", "audio"), (1.0, 1.0), 0.0, complete_at=1.0, incomplete_at=-1.0)
+        super().__init__(None, learned=fusion)
+        self.audio_model = object()  # type: ignore[assignment]  # scored here, not by a model
+        self.probability = probability
+
+    async def audio_score(self, audio: np.ndarray) -> float | None:
+        await asyncio.sleep(0.06)
+        return self.probability
+
+
+async def test_a_language_model_score_in_before_the_audio_score_waits_for_it_when_the_fusion_weighs_audio() -> None:
+    # The language model alone (P 0.9) would commit after 64 ms; the audio model hears a voice that goes on.
+    events = await _scored_run(FakeAudioScorer(0.001), lm_probability=0.9, turn_scores=True)
+    assert any(e.WhichOneof("event") == "endpoint_candidate" for e in events)
+    assert not any(e.WhichOneof("event") == "final" for e in events), "the language model's score decided alone"
+
+
+async def test_a_language_model_score_parked_for_the_audio_score_decides_once_that_is_in() -> None:
+    events = await _scored_run(FakeAudioScorer(0.999), lm_probability=0.9, turn_scores=True)
+    final = _final(events)
+    assert final.hangover_ms == 64 and final.completeness == pytest.approx(1.0)
 
 
 class BrokenTranscriber(FakeTranscriber):
