@@ -157,6 +157,9 @@ def test_the_llm_replicas_get_their_models_turn_end_calibration(rendered):
     env = env_of(deployment(other, "llm"))
     assert env["VOICEMESH_LLM_TURN_END_SCORER"] == "probe"
     assert (env["VOICEMESH_LLM_TURN_END_COMPLETE_AT"], env["VOICEMESH_LLM_TURN_END_INCOMPLETE_AT"]) == ("0.8", "0.35")
+    asr, other_asr = env_of(deployment(rendered["default"], "asr")), env_of(deployment(other, "asr"))
+    assert (asr["VOICEMESH_ASR_TURN_MODEL"], asr["VOICEMESH_ASR_TURN_FUSION"]) == ("smart-turn", "line_end")
+    assert other_asr["VOICEMESH_ASR_TURN_FUSION"] == "probe", "the ASR fuses the score by the fit on the LLM's scorer"
     assert env_of(deployment(rendered["default"], "llm"))["VOICEMESH_LLM_MAX_BATCH"] == "8", "batched on CPU"
 
 

@@ -473,6 +473,8 @@ true
 {{- end }}
 - name: {{ $prefix }}TURN_MODEL
   value: {{ $c.turnModel | quote }}
+- name: {{ $prefix }}TURN_FUSION
+  value: {{ .root.Values.llm.turnEnd.scorer | quote }}
 {{- if $modelPath }}
 - name: {{ $prefix }}MODEL_DIR
   value: {{ printf "%s/%s" $mount $modelPath | quote }}
