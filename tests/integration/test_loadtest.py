@@ -6,6 +6,7 @@ import concurrent.futures
 import dataclasses
 import gc
 import json
+import math
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -90,8 +91,11 @@ async def test_two_sessions_of_two_turns_against_the_real_mesh(gateway: str, tmp
         assert turn.first_audio_s > turn.speech_end_s
     said = {(t.session, t.turn): t.clip for t in report.per_turn}
     assert said[(0, 0)] != said[(1, 0)], "sessions start on different clips"
+    # How far ahead of playout a reply's later chunks came; unset for a reply whose audio was all there before it
+    # began to play (a speculative reply synthesized whole while the end of turn was decided), which with the fused
+    # end of turn's longer waits may be every reply here.
     ahead = [turn.reply_ahead_min_ms for turn in report.per_turn if turn.reply_ahead_min_ms is not None]
-    assert ahead, "replies of several chunks say how far ahead of playout their later chunks came"
+    assert all(math.isfinite(ms) for ms in ahead)
     assert report.reply_ahead_min_ms.count == len(ahead)
 
 
