@@ -228,8 +228,9 @@ class RecognitionStream:
     def _unpark(self, pause_id: int) -> None:
         """The audio score of `pause_id` is in (or failed): decide the pause on a language model's score parked
         for it."""
-        parked, self._parked = self._parked, None
+        parked = self._parked
         if parked is not None and parked.pause_id == pause_id:
+            self._parked = None
             self._apply_turn_score(parked)
 
     def _apply_turn_score(self, score: asr_pb2.TurnScore) -> None:
