@@ -4,7 +4,8 @@ The set, built from the real clips in ../shared/audio (word times from Whisper):
   complete   each clip as recorded;
   spliced    the clip with a pause of 200/400/600/800 ms spliced in at its middle word boundary;
   truncated  the clip cut at a word boundary ~60% of the way in: incomplete, it should wait;
-  variants   each clip 20 and 30 dB quieter, at 48 kHz, and with noise at 15 dB SNR;
+  variants   each clip 20 and 30 dB quieter, at 48 kHz, with noise at 15 dB SNR, and as a phone line brings it
+             (8 kHz G.711 mu-law);
   hesitation the clip, then "um" (Piper's voice at the speaker's level) and a 600 ms pause, then the clip again: a
              speaker who finished a sentence, hesitated and went on. A commit in the pause is a cut-off.
 Each utterance (plus 2.5 s of silence) goes in real time through the ASR's RecognitionStream, built as the ASR
@@ -58,8 +59,8 @@ from services.asr.stream import RecognitionStream
 from services.asr.vad import StreamingVad
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
-from voicemesh import config, cpus
-from voicemesh.audio import Clip, read_wav, resample, speech_end_ms
+from voicemesh import config, cpus, g711
+from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float, read_wav, resample, speech_end_ms
 from voicemesh.endpointing import EndpointingPolicy, TurnEndCalibration
 from voicemesh.limits import URGENT_WORDS
 from voicemesh.serving import one_blas_thread
@@ -117,7 +118,7 @@ DEFAULT_POLICIES = ("fixed_288", "text", "audio_text", "llm", "llm_fused")
 class Utterance:
     name: str
     clip: str
-    kind: str  # complete | spliced | truncated | quiet20 | quiet30 | rate48k | noise15
+    kind: str  # complete | spliced | truncated | quiet20 | quiet30 | rate48k | noise15 | phone8k
     audio: np.ndarray  # float32 at rate_hz
     rate_hz: int
     speech_end_ms: float  # where the speaker actually stopped
@@ -215,6 +216,10 @@ def build_set(transcriber: Transcriber, clip_names: list[str], directory: Path =
         speech_rms = float(np.sqrt(np.mean(audio[: int(end_ms * 16)] ** 2)))
         noisy = audio + (rng.standard_normal(len(audio)) * speech_rms * 10 ** (-15 / 20)).astype(np.float32)
         utterances.append(Utterance(f"{name}+noise", name, "noise15", noisy.astype(np.float32), 16000, end_ms))
+        # A phone line: 8 kHz, G.711 mu-law, as a carrier's media stream brings it.
+        line = float_to_pcm16(resample(audio, 16000, 8000))
+        phone = pcm16_to_float(g711.ulaw_decode(g711.ulaw_encode(line)))
+        utterances.append(Utterance(f"{name}@8k-ulaw", name, "phone8k", phone, 8000, end_ms))
         said = audio[: int((end_ms + 30) * 16)]
         um = (filler * speech_rms / float(np.sqrt(np.mean(filler**2)))).astype(np.float32)
         tone = (rng.standard_normal(HESITATION_PAUSE_MS * 16) * noise_floor).astype(np.float32)

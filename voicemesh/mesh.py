@@ -45,6 +45,15 @@ async def wait_healthy(target: str, timeout_s: float = 120.0, service: str = "")
             await asyncio.sleep(0.2)
 
 
+def turn_fusion_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The ASR fuses the LLM's turn-end score by the fit on the scorer the LLM uses, as the chart sets it: an
+    operator who picks the LLM's scorer alone gets the matching fusion (their own ASR setting stays theirs)."""
+    scorer = environ.get("VOICEMESH_LLM_TURN_END_SCORER")
+    if not scorer or "VOICEMESH_ASR_TURN_FUSION" in environ:
+        return {}
+    return {"VOICEMESH_ASR_TURN_FUSION": scorer}
+
+
 @dataclass
 class Process:
     name: str
@@ -101,6 +110,7 @@ class Mesh:
         if tls is not None:
             secure = [f"--tls-cert={tls.server.cert_file}", f"--tls-key={tls.server.key_file}"]
         budget = budget_env(cpus or available_cpus())
+        budget["asr"].update(turn_fusion_env({**os.environ, **(env or {})}))
         for name in STAGES:
             args = [*secure, f"--tls-client-ca={tls.ca_file}"] if tls is not None else []
             if service_token:

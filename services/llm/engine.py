@@ -54,7 +54,7 @@ class GenerationChunk:
 @dataclass(frozen=True)
 class Prefilled:
     """What a prefill did: the dialogue's tokens up to the user's last word, those already cached, those evaluated
-    now; `skipped`: nothing was done (the engine was serving a reply, or needs no prefill)."""
+    now; `skipped`: nothing was done (it would have been in a reply's way, or there was nothing to prefill)."""
 
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -117,7 +117,8 @@ class LlamaBatchEngine(LlamaEngineBase):
 
     Urgent work goes first: while a step carries a prompt or a reply's first words, the other replies sit it out
     unless their audio would run dry within `continuation_due_s` (`prioritize`; false: every reply in every step).
-    A cancelled reply stops within one step.
+    A prefill of a session's partial runs in the other steps, beside other sessions' replies, while a sequence is
+    free (`prefill_beside_replies`; false: only while no reply is in flight). A cancelled reply stops within one step.
     """
 
     def __init__(
@@ -134,6 +135,7 @@ class LlamaBatchEngine(LlamaEngineBase):
         max_ahead_s: float = 0.0,
         first_chunk_yield_s: float = 0.0,
         turn_end: TurnEndChoice | None = None,
+        prefill_beside_replies: bool = True,
     ) -> None:
         if continuation_due_s <= 0:
             raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")
@@ -145,6 +147,7 @@ class LlamaBatchEngine(LlamaEngineBase):
         self.max_batch = max_batch  # n_ctx is per sequence
         self.prioritize = prioritize
         self.continuation_due_s = continuation_due_s
+        self.prefill_beside_replies = prefill_beside_replies
         self.capabilities = EngineCapabilities(max_concurrency=max_batch, scores_turn_end=True, prefills=True)
         self.steps = 0  # decode calls
         self.sat_out = 0  # times a reply was left out of a step (others' urgent work, or max_ahead_s)
@@ -283,7 +286,7 @@ class LlamaBatchEngine(LlamaEngineBase):
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is closing")
-            if self._waiting or self._active:  # never in a reply's way, nor in another prefill's
+            if self._prefill_skipped(session_id):
                 return Prefilled(len(prompt), skipped=True)
             self._waiting.append(reply)
             self._lock.notify()
@@ -301,6 +304,15 @@ class LlamaBatchEngine(LlamaEngineBase):
         if scored is None or scored.turn_end is None:
             return done
         return dataclasses.replace(done, turn_end=scored.turn_end, score_ms=scored.score_ms)
+
+    def _prefill_skipped(self, session_id: str) -> bool:
+        """Whether a prefill now would be in a reply's way (called with the lock held). Beside replies: only while
+        a reply waits for a sequence, none is idle, or the session has a call in flight. Otherwise: while any is."""
+        if not self.prefill_beside_replies:
+            return bool(self._waiting or self._active)
+        if self._waiting or all(resident.busy for resident in self._residents):
+            return True
+        return any(r.request.session_id == session_id for r in self._active if not r.cancelled)
 
     # ---- the engine thread -----------------------------------------------------------------------------
     def _run(self, loaded: concurrent.futures.Future[None]) -> None:
@@ -350,16 +362,10 @@ class LlamaBatchEngine(LlamaEngineBase):
         for reply in [r for r in self._waiting if r.cancelled]:
             self._waiting.remove(reply)
             reply.put(None)
-        # A reply, of any session, ends a prefill (the engine is no longer idle): what it evaluated stays in its
-        # session's sequence, which that session's reply then takes.
-        if any(not r.prefill for r in [*self._waiting, *self._active]):
-            for reply in [r for r in self._active if r.prefill]:
-                self._end_prefill(reply)
-            for reply in [r for r in self._waiting if r.prefill]:
-                self._waiting.remove(reply)
-                reply.put(None)
+        self._end_prefills_in_the_way()
         while self._waiting and len(self._active) < self.max_batch:
-            reply = self._waiting.popleft()
+            reply = next((r for r in self._waiting if not r.prefill), self._waiting[0])  # replies before prefills
+            self._waiting.remove(reply)
             try:
                 self._assign(reply)
             except Exception as exc:  # e.g. a saved sequence llama.cpp would not take back: this reply fails alone
@@ -371,6 +377,36 @@ class LlamaBatchEngine(LlamaEngineBase):
             self._active.append(reply)
             if reply.prefill and not reply.pending:  # its words were all in the cache already
                 self._end_prefill(reply)
+        for reply in [r for r in self._waiting if r.prefill]:  # a prefill never waits in line: its words go stale
+            self._waiting.remove(reply)
+            reply.put(None)
+
+    def _end_prefills_in_the_way(self) -> None:
+        """End the prefills a waiting reply needs out of the way (called with the lock held). What a prefill
+        evaluated stays in its session's sequence, which that session's reply then takes.
+
+        Beside replies, a reply ends its own session's prefill, and then, oldest first, as many others as it needs
+        sequences; a prefill otherwise runs on, sitting out the steps with urgent work (`plan_step`). Otherwise a
+        reply of any session ends every prefill (the engine is no longer idle)."""
+        replies = [r for r in self._waiting if not r.prefill]
+        if not replies:
+            return
+        waiting_prefills = [r for r in self._waiting if r.prefill]
+        running = [r for r in self._active if r.prefill]
+        if self.prefill_beside_replies:
+            sessions = {r.request.session_id for r in replies}
+            ended = [r for r in waiting_prefills + running if r.request.session_id in sessions]
+            short = len(replies) - (self.max_batch - len(self._active)) - len([r for r in ended if r in running])
+            others = sorted((r for r in running if r not in ended), key=lambda r: r.enqueued_ns)
+            ended += others[: max(0, short)]
+        else:
+            ended = waiting_prefills + running
+        for reply in ended:
+            if reply in self._active:
+                self._end_prefill(reply)
+            else:
+                self._waiting.remove(reply)
+                reply.put(None)
 
     def _assign(self, reply: _Reply) -> None:
         """A sequence for the reply, holding as much of its prompt as the cache can give."""

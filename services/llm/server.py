@@ -90,6 +90,12 @@ class LlmSettings(config.ServerSettings):
         "per step (urgent work first, see yield_to_new_turns); more wait in line; 1 = one reply at a time per slot",
     )
     n_ctx: int = config.setting(2048, "context window in tokens")
+    prefill_beside_replies: bool = config.setting(
+        True,
+        "llama_cpp with max_batch > 1: a prefill of a partial runs beside other sessions' replies, in the steps "
+        "without urgent work, so its turn-end score is in when the pause comes; false: only while no reply is in "
+        "flight (docs/decisions/0041)",
+    )
     yield_to_new_turns: bool = config.setting(
         True,
         "llama_cpp: urgent work first. Batched (max_batch > 1): a reply past its urgent words "
@@ -250,6 +256,7 @@ def build_engine(settings: LlmSettings) -> Engine:
                     max_ahead_s=settings.max_ahead_s,
                     first_chunk_yield_s=settings.first_chunk_yield_ms / 1000,
                     turn_end=turn_end,
+                    prefill_beside_replies=settings.prefill_beside_replies,
                 )
             return LlamaCppEngine(
                 path,

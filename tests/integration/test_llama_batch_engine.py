@@ -48,6 +48,13 @@ def _text(chunks: list[GenerationChunk]) -> str:
     return "".join(chunk.text for chunk in chunks)
 
 
+async def _admitted(engine: LlamaBatchEngine) -> None:
+    """Until no call made before this one waits for a sequence."""
+    await asyncio.sleep(0.01)  # calls just made (ensure_future) are under way
+    while engine.waiting:
+        await asyncio.sleep(0.005)
+
+
 def _follow_up(first: list[GenerationChunk]) -> list[Message]:
     """The dialogue after the reply `first` to "What is the capital of France?", one more question on."""
     return [
@@ -124,15 +131,67 @@ async def test_a_reply_that_comes_during_its_sessions_prefill_ends_it_and_keeps_
     assert _text(chunks).strip()
 
 
-async def test_a_prefill_is_skipped_at_once_while_the_engine_serves_a_reply(engines) -> None:
+async def test_a_prefill_runs_beside_another_sessions_reply_and_scores_its_words(engines) -> None:
     engine = engines["urgent_first"]
     reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
     await asyncio.sleep(0.05)
-    started = time.monotonic()
-    done = await engine.prefill("no-room", [Message("user", PARTIAL)])
-    assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05
-    await reply
-    assert not (await engine.prefill("no-room", [Message("user", PARTIAL)])).skipped, "idle again: it runs"
+    await _admitted(engine)
+    done = await engine.prefill("beside", [Message("user", PARTIAL)])
+    assert not done.skipped and done.evaluated_tokens > 0 and done.turn_end is not None, done
+    assert _text(await reply).strip()
+
+
+async def test_a_prefill_is_skipped_at_once_while_no_sequence_is_free_or_its_session_is_served(engines) -> None:
+    engine = engines["urgent_first"]
+
+    async def skipped_at_once(session: str) -> None:
+        started = time.monotonic()
+        done = await engine.prefill(session, [Message("user", PARTIAL)])
+        assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05, session
+
+    replies = [
+        asyncio.ensure_future(_chunks(engine, f"full-{index}", LONG, reply_prefix=LONG_START))
+        for index in range(MAX_BATCH - 1)
+    ]
+    await _admitted(engine)
+    await skipped_at_once("full-0")  # a sequence is free, but this session's reply is under way
+    replies.append(asyncio.ensure_future(_chunks(engine, "full-last", LONG, reply_prefix=LONG_START)))
+    await asyncio.sleep(0.02)
+    await skipped_at_once("no-room")
+    await asyncio.gather(*replies)
+    assert not (await engine.prefill("no-room", [Message("user", PARTIAL)])).skipped, "room again: it runs"
+
+
+async def test_a_prefill_only_while_idle_is_skipped_at_once_while_the_engine_serves_a_reply(engines) -> None:
+    engine = engines["urgent_first"]
+    engine.prefill_beside_replies = False
+    try:
+        reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        done = await engine.prefill("idle-only", [Message("user", PARTIAL)])
+        assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05
+        await reply
+        assert not (await engine.prefill("idle-only", [Message("user", PARTIAL)])).skipped, "idle again: it runs"
+    finally:
+        engine.prefill_beside_replies = True
+
+
+async def test_a_reply_short_of_a_sequence_ends_another_sessions_prefill(engines) -> None:
+    engine = engines["urgent_first"]
+    replies = [
+        asyncio.ensure_future(_chunks(engine, f"busy-{index}", LONG, reply_prefix=LONG_START))
+        for index in range(MAX_BATCH - 1)
+    ]
+    await _admitted(engine)
+    words = " ".join(["We walked along the river and talked about the old days"] * 20)  # many prefill steps
+    prefill = asyncio.ensure_future(engine.prefill("crowded-out", [Message("user", words)]))
+    await _admitted(engine)
+    chunks = await _chunks(engine, "latecomer", "What is the capital of France?")
+    done = await prefill
+    assert not done.skipped and done.evaluated_tokens < done.prompt_tokens - done.cached_tokens, done
+    assert _text(chunks).strip()
+    await asyncio.gather(*replies)
 
 
 async def test_a_session_whose_sequence_was_taken_over_gets_its_copy_back(engines) -> None:

@@ -73,6 +73,27 @@ def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.Mon
     assert started["gateway"] == {}
 
 
+def test_a_local_meshs_asr_fuses_by_the_fit_on_the_scorer_the_llm_is_set_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    started: dict[str, dict[str, str]] = {}
+
+    def spawn(self: Mesh, name: str, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
+        started[name] = env or {}
+        return subprocess.Popen(["true"])
+
+    monkeypatch.setattr(Mesh, "_spawn", spawn)
+    monkeypatch.delenv("VOICEMESH_ASR_TURN_FUSION", raising=False)
+    monkeypatch.setenv("VOICEMESH_LLM_TURN_END_SCORER", "probe")
+    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
+    assert started["asr"]["VOICEMESH_ASR_TURN_FUSION"] == "probe"
+    monkeypatch.setenv("VOICEMESH_ASR_TURN_FUSION", "line_end")  # the operator's own choice stays
+    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
+    assert "VOICEMESH_ASR_TURN_FUSION" not in started["asr"]
+    monkeypatch.delenv("VOICEMESH_ASR_TURN_FUSION")
+    monkeypatch.delenv("VOICEMESH_LLM_TURN_END_SCORER")
+    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
+    assert "VOICEMESH_ASR_TURN_FUSION" not in started["asr"], "the ASR's own default"
+
+
 def _nice_of_this_thread() -> int:
     return thread_nice(threading.get_native_id())
 
