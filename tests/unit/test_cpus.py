@@ -51,9 +51,8 @@ def test_the_operators_own_setting_wins_over_the_budget() -> None:
     assert env["asr"] == {"VOICEMESH_ASR_WORKERS": "4", "VOICEMESH_ASR_CPU_THREADS": "1"}
 
 
-def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    for variable in thread_split(1):
-        monkeypatch.delenv(variable, raising=False)
+def _local_mesh_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, dict[str, str]]:
+    """The variables `start_local` gives each process (by name) beside the environment, its processes `true`."""
     started: dict[str, dict[str, str]] = {}
 
     def spawn(self: Mesh, name: str, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
@@ -61,8 +60,14 @@ def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.Mon
         return subprocess.Popen(["true"])
 
     monkeypatch.setattr(Mesh, "_spawn", spawn)
-    mesh = Mesh()
-    mesh.start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
+    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
+    return started
+
+
+def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in thread_split(1):
+        monkeypatch.delenv(variable, raising=False)
+    started = _local_mesh_env(monkeypatch)
     assert started["llm"] == {
         "VOICEMESH_LLM_N_THREADS_BATCH": "2",
         "VOICEMESH_LLM_N_THREADS": "1",
@@ -74,24 +79,14 @@ def test_a_local_mesh_starts_each_service_with_its_share(monkeypatch: pytest.Mon
 
 
 def test_a_local_meshs_asr_fuses_by_the_fit_on_the_scorer_the_llm_is_set_to(monkeypatch: pytest.MonkeyPatch) -> None:
-    started: dict[str, dict[str, str]] = {}
-
-    def spawn(self: Mesh, name: str, argv: list[str], env: dict[str, str] | None) -> subprocess.Popen[bytes]:
-        started[name] = env or {}
-        return subprocess.Popen(["true"])
-
-    monkeypatch.setattr(Mesh, "_spawn", spawn)
     monkeypatch.delenv("VOICEMESH_ASR_TURN_FUSION", raising=False)
     monkeypatch.setenv("VOICEMESH_LLM_TURN_END_SCORER", "probe")
-    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
-    assert started["asr"]["VOICEMESH_ASR_TURN_FUSION"] == "probe"
+    assert _local_mesh_env(monkeypatch)["asr"]["VOICEMESH_ASR_TURN_FUSION"] == "probe"
     monkeypatch.setenv("VOICEMESH_ASR_TURN_FUSION", "line_end")  # the operator's own choice stays
-    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
-    assert "VOICEMESH_ASR_TURN_FUSION" not in started["asr"]
+    assert "VOICEMESH_ASR_TURN_FUSION" not in _local_mesh_env(monkeypatch)["asr"]
     monkeypatch.delenv("VOICEMESH_ASR_TURN_FUSION")
     monkeypatch.delenv("VOICEMESH_LLM_TURN_END_SCORER")
-    Mesh().start_local({"asr": 1, "llm": 2, "tts": 3, "gateway": 4}, http_port=-1, cpus=2)
-    assert "VOICEMESH_ASR_TURN_FUSION" not in started["asr"], "the ASR's own default"
+    assert "VOICEMESH_ASR_TURN_FUSION" not in _local_mesh_env(monkeypatch)["asr"], "the ASR's own default"
 
 
 def _nice_of_this_thread() -> int:
