@@ -300,6 +300,8 @@ class LlamaBatchEngine(LlamaEngineBase):
             reply.cancelled = True
             with self._lock:
                 self._lock.notify()
+        if reply.seq < 0:  # ended before it had a sequence: nothing was done
+            return Prefilled(len(prompt), skipped=True)
         done = Prefilled(len(prompt), reply.cached, reply.position - reply.cached)
         if scored is None or scored.turn_end is None:
             return done
