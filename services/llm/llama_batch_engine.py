@@ -117,8 +117,8 @@ class LlamaBatchEngine(LlamaEngineBase):
 
     Urgent work goes first: while a step carries a prompt or a reply's first words, the other replies sit it out
     unless their audio would run dry within `continuation_due_s` (`prioritize`; false: every reply in every step).
-    A prefill of a session's partial runs in the other steps, beside other sessions' replies, while a sequence is
-    free (`prefill_beside_replies`; false: only while no reply is in flight). A cancelled reply stops within one step.
+    A prefill of a session's partial runs only while no reply is in flight, or with `prefill_beside_replies` in the
+    other steps, beside other sessions' replies, while a sequence is free. A cancelled reply stops within one step.
     """
 
     def __init__(
@@ -135,7 +135,7 @@ class LlamaBatchEngine(LlamaEngineBase):
         max_ahead_s: float = 0.0,
         first_chunk_yield_s: float = 0.0,
         turn_end: TurnEndChoice | None = None,
-        prefill_beside_replies: bool = True,
+        prefill_beside_replies: bool = False,
     ) -> None:
         if continuation_due_s <= 0:
             raise ValueError(f"continuation_due_s={continuation_due_s:g} must be above 0")

@@ -91,10 +91,10 @@ class LlmSettings(config.ServerSettings):
     )
     n_ctx: int = config.setting(2048, "context window in tokens")
     prefill_beside_replies: bool = config.setting(
-        True,
-        "llama_cpp with max_batch > 1: a prefill of a partial runs beside other sessions' replies, in the steps "
-        "without urgent work, so its turn-end score is in when the pause comes; false: only while no reply is in "
-        "flight (docs/decisions/0041)",
+        False,
+        "llama_cpp with max_batch > 1: a prefill of a partial also runs beside other sessions' replies (in the steps "
+        "without urgent work, while a sequence is free), so more pauses find their turn-end score ready; it costs "
+        "CPU that a box near capacity lacks (docs/decisions/0041); false: only while no reply is in flight",
     )
     yield_to_new_turns: bool = config.setting(
         True,

@@ -31,6 +31,9 @@ async def engines():
         "every_step": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, prioritize=False),
         "paced": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, max_ahead_s=MIN_AHEAD_S),
         "stepping_aside": LlamaBatchEngine(default_model_path(), max_batch=MAX_BATCH, first_chunk_yield_s=YIELD_S),
+        "beside": LlamaBatchEngine(
+            default_model_path(), max_batch=MAX_BATCH, continuation_due_s=0.5, prefill_beside_replies=True
+        ),
     }
     for engine in engines.values():
         await engine.start()
@@ -132,7 +135,7 @@ async def test_a_reply_that_comes_during_its_sessions_prefill_ends_it_and_keeps_
 
 
 async def test_a_prefill_runs_beside_another_sessions_reply_and_scores_its_words(engines) -> None:
-    engine = engines["urgent_first"]
+    engine = engines["beside"]
     reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
     await asyncio.sleep(0.05)
     await _admitted(engine)
@@ -142,7 +145,7 @@ async def test_a_prefill_runs_beside_another_sessions_reply_and_scores_its_words
 
 
 async def test_a_prefill_is_skipped_at_once_while_no_sequence_is_free_or_its_session_is_served(engines) -> None:
-    engine = engines["urgent_first"]
+    engine = engines["beside"]
 
     async def skipped_at_once(session: str) -> None:
         started = time.monotonic()
@@ -162,23 +165,19 @@ async def test_a_prefill_is_skipped_at_once_while_no_sequence_is_free_or_its_ses
     assert not (await engine.prefill("no-room", [Message("user", PARTIAL)])).skipped, "room again: it runs"
 
 
-async def test_a_prefill_only_while_idle_is_skipped_at_once_while_the_engine_serves_a_reply(engines) -> None:
+async def test_a_prefill_is_skipped_at_once_while_the_engine_serves_a_reply(engines) -> None:
     engine = engines["urgent_first"]
-    engine.prefill_beside_replies = False
-    try:
-        reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
-        await asyncio.sleep(0.05)
-        started = time.monotonic()
-        done = await engine.prefill("idle-only", [Message("user", PARTIAL)])
-        assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05
-        await reply
-        assert not (await engine.prefill("idle-only", [Message("user", PARTIAL)])).skipped, "idle again: it runs"
-    finally:
-        engine.prefill_beside_replies = True
+    reply = asyncio.ensure_future(_chunks(engine, "serving", LONG, reply_prefix=LONG_START))
+    await asyncio.sleep(0.05)
+    started = time.monotonic()
+    done = await engine.prefill("no-room", [Message("user", PARTIAL)])
+    assert done.skipped and done.evaluated_tokens == 0 and time.monotonic() - started < 0.05
+    await reply
+    assert not (await engine.prefill("no-room", [Message("user", PARTIAL)])).skipped, "idle again: it runs"
 
 
 async def test_a_reply_short_of_a_sequence_ends_another_sessions_prefill(engines) -> None:
-    engine = engines["urgent_first"]
+    engine = engines["beside"]
     replies = [
         asyncio.ensure_future(_chunks(engine, f"busy-{index}", LONG, reply_prefix=LONG_START))
         for index in range(MAX_BATCH - 1)
