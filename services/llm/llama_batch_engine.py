@@ -117,8 +117,7 @@ class LlamaBatchEngine(LlamaEngineBase):
 
     Urgent work goes first: while a step carries a prompt or a reply's first words, the other replies sit it out
     unless their audio would run dry within `continuation_due_s` (`prioritize`; false: every reply in every step).
-    A prefill of a session's partial runs only while no reply is in flight, or with `prefill_beside_replies` in the
-    other steps, beside other sessions' replies, while a sequence is free. A cancelled reply stops within one step.
+    A prefill is never in a reply's way (`prefill_skipped`, `prefills_in_the_way`). A cancelled reply stops in a step.
     """
 
     def __init__(
@@ -286,7 +285,7 @@ class LlamaBatchEngine(LlamaEngineBase):
         with self._lock:
             if self._closing:
                 raise RuntimeError("the engine is closing")
-            if self._prefill_skipped(session_id):
+            if prefill_skipped(session_id, self._waiting, self._active, self.max_batch, self.prefill_beside_replies):
                 return Prefilled(len(prompt), skipped=True)
             self._waiting.append(reply)
             self._lock.notify()
@@ -300,21 +299,11 @@ class LlamaBatchEngine(LlamaEngineBase):
             reply.cancelled = True
             with self._lock:
                 self._lock.notify()
-        if reply.seq < 0:  # ended before it had a sequence: nothing was done
-            return Prefilled(len(prompt), skipped=True)
-        done = Prefilled(len(prompt), reply.cached, reply.position - reply.cached)
+        # One ended before it had a sequence did nothing.
+        done = Prefilled(len(prompt), reply.cached, reply.position - reply.cached, skipped=reply.seq < 0)
         if scored is None or scored.turn_end is None:
             return done
         return dataclasses.replace(done, turn_end=scored.turn_end, score_ms=scored.score_ms)
-
-    def _prefill_skipped(self, session_id: str) -> bool:
-        """Whether a prefill now would be in a reply's way (called with the lock held). Beside replies: only while
-        a reply waits for a sequence, none is idle, or the session has a call in flight. Otherwise: while any is."""
-        if not self.prefill_beside_replies:
-            return bool(self._waiting or self._active)
-        if self._waiting or all(resident.busy for resident in self._residents):
-            return True
-        return any(r.request.session_id == session_id for r in self._active if not r.cancelled)
 
     # ---- the engine thread -----------------------------------------------------------------------------
     def _run(self, loaded: concurrent.futures.Future[None]) -> None:
@@ -361,10 +350,10 @@ class LlamaBatchEngine(LlamaEngineBase):
         for reply in [r for r in self._active if r.cancelled]:
             self._finish(reply)
             reply.put(None)
-        for reply in [r for r in self._waiting if r.cancelled]:
-            self._waiting.remove(reply)
-            reply.put(None)
-        self._end_prefills_in_the_way()
+        ended = prefills_in_the_way(self._waiting, self._active, self.max_batch, self.prefill_beside_replies)
+        for reply in [r for r in self._active if r in ended]:
+            self._end_prefill(reply)  # what it evaluated stays in its session's sequence, for that reply
+        self._drop([r for r in self._waiting if r.cancelled or r in ended])
         while self._waiting and len(self._active) < self.max_batch:
             reply = next((r for r in self._waiting if not r.prefill), self._waiting[0])  # replies before prefills
             self._waiting.remove(reply)
@@ -379,36 +368,12 @@ class LlamaBatchEngine(LlamaEngineBase):
             self._active.append(reply)
             if reply.prefill and not reply.pending:  # its words were all in the cache already
                 self._end_prefill(reply)
-        for reply in [r for r in self._waiting if r.prefill]:  # a prefill never waits in line: its words go stale
+        self._drop([r for r in self._waiting if r.prefill])  # a prefill never waits in line: its words go stale
+
+    def _drop(self, waiting: list[_Reply]) -> None:
+        for reply in waiting:
             self._waiting.remove(reply)
             reply.put(None)
-
-    def _end_prefills_in_the_way(self) -> None:
-        """End the prefills a waiting reply needs out of the way (called with the lock held). What a prefill
-        evaluated stays in its session's sequence, which that session's reply then takes.
-
-        Beside replies, a reply ends its own session's prefill, and then, oldest first, as many others as it needs
-        sequences; a prefill otherwise runs on, sitting out the steps with urgent work (`plan_step`). Otherwise a
-        reply of any session ends every prefill (the engine is no longer idle)."""
-        replies = [r for r in self._waiting if not r.prefill]
-        if not replies:
-            return
-        waiting_prefills = [r for r in self._waiting if r.prefill]
-        running = [r for r in self._active if r.prefill]
-        if self.prefill_beside_replies:
-            sessions = {r.request.session_id for r in replies}
-            ended = [r for r in waiting_prefills + running if r.request.session_id in sessions]
-            short = len(replies) - (self.max_batch - len(self._active)) - len([r for r in ended if r in running])
-            others = sorted((r for r in running if r not in ended), key=lambda r: r.enqueued_ns)
-            ended += others[: max(0, short)]
-        else:
-            ended = waiting_prefills + running
-        for reply in ended:
-            if reply in self._active:
-                self._end_prefill(reply)
-            else:
-                self._waiting.remove(reply)
-                reply.put(None)
 
     def _assign(self, reply: _Reply) -> None:
         """A sequence for the reply, holding as much of its prompt as the cache can give."""
@@ -623,6 +588,39 @@ def plan_step(
         plan.append((reply, count))
         budget -= count
     return plan
+
+
+def prefill_skipped(
+    session_id: str, waiting: collections.deque[_Reply], active: list[_Reply], max_batch: int, beside: bool
+) -> bool:
+    """Whether a prefill for `session_id` now would be in a reply's way. Beside replies (`beside`): while a reply
+    waits for a sequence, none is free, or the session has a call in flight. Otherwise: while any call is."""
+    if not beside:
+        return bool(waiting or active)
+    if waiting or len(active) >= max_batch:
+        return True
+    return any(r.request.session_id == session_id and not r.cancelled for r in active)
+
+
+def prefills_in_the_way(
+    waiting: collections.deque[_Reply], active: list[_Reply], max_batch: int, beside: bool
+) -> list[_Reply]:
+    """The prefills (waiting or running) that the waiting replies need ended. Beside replies (`beside`): those of
+    the replies' own sessions (a reply takes its session's sequence), then, oldest first, as many others as the
+    replies are short of sequences; a prefill otherwise runs on, sitting out the steps with urgent work. Otherwise:
+    every prefill, once any reply waits (the engine is no longer idle)."""
+    replies = [r for r in waiting if not r.prefill]
+    if not replies:
+        return []
+    prefills = [r for r in waiting if r.prefill]
+    running = [r for r in active if r.prefill]
+    if not beside:
+        return prefills + running
+    sessions = {r.request.session_id for r in replies}
+    ended = [r for r in prefills + running if r.request.session_id in sessions]
+    short = len(replies) - (max_batch - len(active)) - sum(r in running for r in ended)
+    others = sorted((r for r in running if r not in ended), key=lambda r: r.enqueued_ns)
+    return ended + others[: max(0, short)]
 
 
 def ready_at(reply: _Reply, yield_s: float, max_ahead_s: float) -> float:

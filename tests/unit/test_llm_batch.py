@@ -4,6 +4,7 @@ which replies go into a step."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -11,7 +12,16 @@ import numpy as np
 import pytest
 
 from services.llm.engine import GenerationRequest, Message
-from services.llm.llama_batch_engine import N_BATCH, _held_back, _Reply, plan_step, ready_at, sample
+from services.llm.llama_batch_engine import (
+    N_BATCH,
+    _held_back,
+    _Reply,
+    plan_step,
+    prefill_skipped,
+    prefills_in_the_way,
+    ready_at,
+    sample,
+)
 from services.llm.llama_common import PREFILL_STEP_TOKENS, SpeechClock
 from services.llm.server import LlmSettings, build_engine
 
@@ -158,3 +168,33 @@ def test_a_bad_batch_setting_stops_the_server_with_a_reason(fields: dict[str, ob
     settings = dataclasses.replace(LlmSettings(), model_path="/nowhere/model.gguf", **fields)
     with pytest.raises(SystemExit, match=words):
         build_engine(settings)
+
+
+def _call(loop: asyncio.AbstractEventLoop, session: str, prefill: bool = False, at: int = 0) -> _Reply:
+    call = _Reply(GenerationRequest(session, [Message("user", "hi")]), [1, 2], None, (), loop, asyncio.Queue())
+    call.prefill, call.enqueued_ns = prefill, at
+    return call
+
+
+async def test_a_waiting_reply_ends_its_own_sessions_prefill_and_only_as_many_others_as_it_needs_sequences() -> None:
+    loop = asyncio.get_running_loop()
+    old, new = _call(loop, "a", prefill=True, at=1), _call(loop, "b", prefill=True, at=2)
+    serving = _call(loop, "c")
+    active = [old, new, serving]
+    assert prefills_in_the_way(collections.deque(), active, 3, beside=True) == [], "no reply waits: none ends"
+    assert prefills_in_the_way(collections.deque([_call(loop, "b")]), active, 3, beside=True) == [new]
+    assert prefills_in_the_way(collections.deque([_call(loop, "d")]), active, 3, beside=True) == [old], "oldest"
+    assert prefills_in_the_way(collections.deque([_call(loop, "d")]), active, 4, beside=True) == [], "one is free"
+    waiting = collections.deque([_call(loop, "d"), _call(loop, "e", prefill=True)])
+    assert prefills_in_the_way(waiting, active, 4, beside=False) == [waiting[1], old, new], "idle only: all end"
+
+
+async def test_a_prefill_is_skipped_while_a_reply_waits_no_sequence_is_free_or_its_session_is_served() -> None:
+    loop = asyncio.get_running_loop()
+    serving = [_call(loop, "a")]
+    assert not prefill_skipped("b", collections.deque(), serving, 2, beside=True)
+    assert prefill_skipped("a", collections.deque(), serving, 2, beside=True), "its own session is served"
+    assert prefill_skipped("b", collections.deque(), serving, 1, beside=True), "no sequence free"
+    assert prefill_skipped("b", collections.deque([_call(loop, "c")]), serving, 2, beside=True), "a reply waits"
+    assert prefill_skipped("b", collections.deque(), serving, 2, beside=False), "idle only"
+    assert not prefill_skipped("b", collections.deque(), [], 2, beside=False)
