@@ -299,7 +299,7 @@ class LlamaBatchEngine(LlamaEngineBase):
             reply.cancelled = True
             with self._lock:
                 self._lock.notify()
-        # One ended before it had a sequence did nothing.
+        # A prefill dropped before it had a sequence did nothing.
         done = Prefilled(len(prompt), reply.cached, reply.position - reply.cached, skipped=reply.seq < 0)
         if scored is None or scored.turn_end is None:
             return done
