@@ -21,7 +21,7 @@ from typing import Any
 from bench import clips_main, door_gap
 from harness.clips import SHARED_AUDIO, TRANSCRIPTS, clip_path, load_clip
 from voicemesh import g711
-from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float
+from voicemesh.audio import Clip
 from voicemesh.clients import recognize
 from voicemesh.evaluation import word_error_rate
 from voicemesh.loadtest import LoadTestOptions, loadtest
@@ -29,13 +29,6 @@ from voicemesh.mesh import DEFAULT_PORTS, Mesh, free_port
 
 TARGET_GAP_MS = 60.0
 CLIPS = ("spk1_snt1", "spk2_snt1", "horizon", "jfk", "wizard")
-
-
-def telephone_band(clip: Clip, codec: str) -> Clip:
-    """The clip as a phone carries it: 8 kHz, through G.711 and back."""
-    narrow = clip.to_rate(8000)
-    encode, decode = (g711.ulaw_encode, g711.ulaw_decode) if codec == "PCMU" else (g711.alaw_encode, g711.alaw_decode)
-    return Clip(pcm16_to_float(decode(encode(float_to_pcm16(narrow.samples)))), 8000)
 
 
 async def transcript(asr: str, clip: Clip) -> str:
@@ -54,8 +47,8 @@ async def word_error_rates(asr: str, names: Sequence[str]) -> dict[str, Any]:
         clip = load_clip(name).to_rate(16000)
         for band, audio in (
             ("wideband_16k", clip),
-            ("g711_ulaw_8k", telephone_band(clip, "PCMU")),
-            ("g711_alaw_8k", telephone_band(clip, "PCMA")),
+            ("g711_ulaw_8k", g711.telephone_band(clip, "PCMU")),
+            ("g711_alaw_8k", g711.telephone_band(clip, "PCMA")),
         ):
             text = await transcript(asr, audio)
             heard[band][name] = text

@@ -60,7 +60,7 @@ from services.asr.vad import StreamingVad
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from voicemesh import config, cpus, g711
-from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float, read_wav, resample, speech_end_ms
+from voicemesh.audio import Clip, read_wav, resample, speech_end_ms
 from voicemesh.endpointing import EndpointingPolicy, TurnEndCalibration
 from voicemesh.limits import URGENT_WORDS
 from voicemesh.serving import one_blas_thread
@@ -217,8 +217,7 @@ def build_set(transcriber: Transcriber, clip_names: list[str], directory: Path =
         noisy = audio + (rng.standard_normal(len(audio)) * speech_rms * 10 ** (-15 / 20)).astype(np.float32)
         utterances.append(Utterance(f"{name}+noise", name, "noise15", noisy.astype(np.float32), 16000, end_ms))
         # A phone line: 8 kHz, G.711 mu-law, as a carrier's media stream brings it.
-        line = float_to_pcm16(resample(audio, 16000, 8000))
-        phone = pcm16_to_float(g711.ulaw_decode(g711.ulaw_encode(line)))
+        phone = g711.telephone_band(Clip(audio, 16000)).samples
         utterances.append(Utterance(f"{name}@8k-ulaw", name, "phone8k", phone, 8000, end_ms))
         said = audio[: int((end_ms + 30) * 16)]
         um = (filler * speech_rms / float(np.sqrt(np.mean(filler**2)))).astype(np.float32)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from voicemesh.audio import Clip, float_to_pcm16, pcm16_to_float
 from voicemesh.errors import invalid
 
 _ULAW_BIAS = 0x84
@@ -89,3 +90,10 @@ def alaw_decode(data: bytes) -> bytes:
 def alaw_encode(pcm16: bytes) -> bytes:
     """16-bit little-endian PCM to A-law, one byte a sample."""
     return _lookup(_ALAW_ENCODE, _pcm16_indices(pcm16))
+
+
+def telephone_band(clip: Clip, codec: str = "PCMU") -> Clip:
+    """The clip as a phone carries it: 8 kHz, through G.711 (`PCMU` μ-law or `PCMA` A-law) and back."""
+    narrow = clip.to_rate(8000)
+    encode, decode = (ulaw_encode, ulaw_decode) if codec == "PCMU" else (alaw_encode, alaw_decode)
+    return Clip(pcm16_to_float(decode(encode(float_to_pcm16(narrow.samples)))), 8000)
