@@ -5,7 +5,9 @@ Spoken pauses. User lines of real dialogue (the Schema-Guided Dialogue dataset: 
 from its test split, no line of either seen by the probe's fit) read by Piper at three speeds, each clean, 20 dB
 quieter, with noise at 15 dB SNR, or through the 8 kHz phone band; each cut at its end (finished) and at two word
 ends inside it (the speaker goes on). The real recordings of ../shared/audio (`real`, never fitted on) at their end and
-at every word end; so are those of each `--recordings DIR` (`unheard`: speech no part of voicemesh was tuned on). At
+at every word end; so are those of each `--recordings DIR` (`unheard`: speech no part of voicemesh was tuned on).
+`--read-speech fit|check DIR`: recorded read speech of many voices (`python -m bench.unheard --librispeech`), at its
+end where its transcript ends a sentence and at three word ends inside; `fit` is fitted on beside the dialogue lines. At
 each point, what the live mesh has at a pause: the draft decode of the audio so far (Whisper tiny.en, as the ASR
 decodes it), Smart Turn's P on the same audio, and the LLM's P(turn end) of the decoded words after the dialogue so
 far, by both turn-end scorers, on the common scale the LLM replicas send.
@@ -27,7 +29,7 @@ import asyncio
 import dataclasses
 import json
 import random
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +52,8 @@ SPEEDS = (0.9, 1.0, 1.15)
 """Piper's reading resampled to these speeds: a higher or lower voice as well as a faster or slower one."""
 CONDITIONS = ("clean", "clean", "quiet20", "noise15", "phone8k")
 INSIDE_PER_LINE = 2
+INSIDE_PER_READ = 3
+"""Word ends taken inside each utterance of read speech (`--read-speech`)."""
 CONTEXT_LINES = 4
 """Earlier lines of the dialogue the LLM sees before the user's line, as the live history would hold them."""
 CUT_BOUNDS = (0.01, 0.02, 0.03, 0.05, 0.08, 0.12, 0.2)
@@ -87,6 +91,7 @@ def _condition(audio: np.ndarray, condition: str, rng: np.random.Generator) -> n
     return audio
 
 
+SENTENCE_ENDS = (".", "?", "!")
 TAIL_S = 0.12
 """Audio kept after a word's end: the VAD's windows before it calls the silence, so a last sound is never cut."""
 
@@ -147,17 +152,34 @@ class Collector:
             point[scorer] = engine.turn_end_calibration.standard(raw)
         return point
 
-    async def recordings(self, split: str, clips: list[Path]) -> list[dict]:
-        """Each recording of a finished utterance (16-bit WAV) at its end and at every word end."""
+    async def recordings(self, split: str, clips: list[Path], inside: int | None = None) -> list[dict]:
+        """Each recording at the pauses `pauses_of` takes from its transcript."""
         points = []
         for clip in clips:
             audio = read_wav(clip).to_rate(16000).samples
-            words = self.transcriber.transcribe(audio).words
+            transcript = self.transcriber.transcribe(audio)
+            words = transcript.words
             audio = audio[: _end_of_speech(audio, words)]
-            points.append(await self.point(split, clip.stem, [], audio, True))
-            for k in range(1, len(words)):
+            finished, ends = pauses_of(transcript.text, words, inside, clip.stem)
+            if finished:
+                points.append(await self.point(split, clip.stem, [], audio, True))
+            for k in ends:
                 points.append(await self.point(split, f"{clip.stem}/{k}", [], audio[: _word_end(words, k)], False))
         return points
+
+
+def pauses_of(text: str, words: Sequence[WordTiming], inside: int | None, seed: str) -> tuple[bool, list[int]]:
+    """Where a recording is cut: whether at its end (finished), and after which words (1-based; the speaker goes on).
+
+    Without `inside`, a recording of one finished utterance: its end and every word end. With it, recorded speech
+    labelled by its transcript: its end only when the text ends with a full stop, question or exclamation mark, and
+    `inside` word ends drawn (seeded) from those not after such a mark, where the speaker may have been done."""
+    ends = list(range(1, len(words)))
+    if inside is None:
+        return True, ends
+    ends = [k for k in ends if not words[k - 1].text.rstrip().endswith(SENTENCE_ENDS)]
+    drawn = sorted(random.Random(seed).sample(ends, min(inside, len(ends))))
+    return text.rstrip().endswith(SENTENCE_ENDS), drawn
 
 
 async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
@@ -192,12 +214,12 @@ async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
     return points
 
 
-async def collect_recordings(clips: list[Path]) -> list[dict]:
-    """The points of these recordings (split `unheard`)."""
+async def collect_recordings(clips: list[Path], split: str = "unheard", inside: int | None = None) -> list[dict]:
+    """The points of these recordings (see `Collector.recordings`)."""
     collector = Collector()
     await collector.start()
     try:
-        return await collector.recordings("unheard", clips)
+        return await collector.recordings(split, clips, inside)
     finally:
         await collector.close()
 
@@ -314,14 +336,29 @@ def auc(score: np.ndarray, finished: np.ndarray) -> float | None:
     return round(float(above), 3)
 
 
-def run(sgd: Path, lines_per_split: int, work: Path, write: bool, recordings: Sequence[Path] = ()) -> dict[str, object]:
+def run(
+    sgd: Path,
+    lines_per_split: int,
+    work: Path,
+    write: bool,
+    recordings: Sequence[Path] = (),
+    read_speech: Mapping[str, Path] | None = None,
+) -> dict[str, object]:
     points = _cached(work / "points.jsonl", lambda: collect(sgd, lines_per_split))
     for directory in recordings:
         clips = sorted(directory.glob("*.wav"))
         points += _cached(work / f"unheard-{directory.resolve().name}.jsonl", lambda c=clips: collect_recordings(c))
+    for split, directory in (read_speech or {}).items():
+        clips = sorted(directory.glob("*.wav"))
+        points += _cached(
+            work / f"{split}-{directory.resolve().name}.jsonl",
+            lambda c=clips, s=split: collect_recordings(c, s, INSIDE_PER_READ),
+        )
     by_split: dict[str, list[dict]] = {}
     for point in points:
         by_split.setdefault(point["split"], []).append(point)
+    if "read_fit" in by_split:  # real voices join the dialogue lines Piper read: fitted and chosen on together
+        by_split["fit"] = by_split["fit"] + by_split["read_fit"]
     policy = EndpointingPolicy()
     report: dict[str, object] = {
         "points": {
@@ -379,8 +416,22 @@ def main() -> None:
         default=[],
         help="a directory of more recorded finished utterances (16-bit WAV), never fitted on: split `unheard`",
     )
+    parser.add_argument(
+        "--read-speech",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("PART", "DIR"),
+        help="recorded read speech labelled by its transcript (python -m bench.unheard --librispeech): PART `fit` is "
+        "fitted on beside the dialogue lines, `check` only reported (splits read_fit, read_check)",
+    )
     args = parser.parse_args()
-    print_result(run(args.sgd, args.lines, args.work, args.write, args.recordings))
+    read: dict[str, Path] = {}
+    for part, directory in args.read_speech:
+        if part not in ("fit", "check"):
+            parser.error(f"--read-speech {part}: PART is fit or check")
+        read[f"read_{part}"] = Path(directory)
+    print_result(run(args.sgd, args.lines, args.work, args.write, args.recordings, read))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ Nothing is downloaded and nothing is committed: give it clones of the repositori
 a plain or bare clone holding the pinned commit), and it reads each file at that commit. Recordings that stop
 mid-sentence (the file was cut while the speaker talked) are left out unless `--all`: a long wait after them is
 right, not dead air. SOURCES.md beside the WAVs says where each came from, at which commit, under which license.
+`--librispeech fit|check` writes instead the LibriSpeech excerpts of Resemblyzer's repository, many voices for
+`python -m bench.turn_fusion --read-speech`.
 
     python -m bench.unheard --repo speechbrain/speechbrain=~/src/speechbrain \\
         --repo CorentinJ/Real-Time-Voice-Cloning=~/src/rtvc --repo Picovoice/cheetah=~/src/cheetah --out /tmp/unheard
@@ -40,6 +42,10 @@ class Recording:
 SPEECHBRAIN = ("speechbrain/speechbrain", "9c826ef3937bac885c8a6ca86c6889a30f256fb5")
 RTVC = ("CorentinJ/Real-Time-Voice-Cloning", "865eba8826bb6d76721a9d828a546724779c23ab")
 CHEETAH = ("Picovoice/cheetah", "83c2b51ae8648d21bb3abdb7fa18045a6bf1216d")
+RESEMBLYZER = ("resemble-ai/Resemblyzer", "15d828edebe06bc72b9cabc8ef8ca5ab2cb457ce")
+LIBRISPEECH = {"fit": "audio_data/librispeech_train-clean-100", "check": "audio_data/librispeech_test-other"}
+"""LibriSpeech excerpts (CC BY 4.0) kept in Resemblyzer's repository: one utterance of each of 251 train-clean-100
+speakers (`fit`) and 10 utterances of each of 10 test-other speakers (`check`), so no speaker is in both."""
 RECORDINGS = (
     *(
         Recording(f"spk{speaker}_snt{n}", *SPEECHBRAIN, f"tests/samples/ASR/spk{speaker}_snt{n}.wav", "Apache-2.0")
@@ -68,6 +74,23 @@ def read_at_commit(clone: Path, commit: str, path: str) -> bytes:
         ).stdout
     except subprocess.CalledProcessError as error:
         raise SystemExit(f"{clone}: no {path} at {commit[:12]} ({error.stderr.decode().strip()})") from error
+
+
+def recordings_under(clone: Path, repo: str, commit: str, folder: str, license: str) -> list[Recording]:
+    """Every audio file (FLAC, WAV, MP3) under `folder` at `commit`, named by its file name. Whether each ends a
+    sentence is not known here (`finished` stays True): `python -m bench.turn_fusion --read-speech` reads it off the
+    transcript."""
+    listing = subprocess.run(
+        ["git", "-C", str(clone), "ls-tree", "-r", "--name-only", commit, folder],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.splitlines()
+    return [
+        Recording(Path(path).stem, repo, commit, path, license)
+        for path in listing
+        if path.lower().endswith((".flac", ".wav", ".mp3"))
+    ]
 
 
 def export(
@@ -102,6 +125,11 @@ def main() -> None:
     parser.add_argument("--repo", action="append", default=[], help="OWNER/NAME=PATH of a clone (repeat)")
     parser.add_argument("--out", type=Path, required=True, help="directory for the WAVs and SOURCES.md")
     parser.add_argument("--all", action="store_true", help="also the recordings that stop mid-sentence")
+    parser.add_argument(
+        "--librispeech",
+        choices=sorted(LIBRISPEECH),
+        help=f"instead, the LibriSpeech utterances of {RESEMBLYZER[0]} (fit: train-clean-100, check: test-other)",
+    )
     args = parser.parse_args()
     clones: dict[str, Path] = {}
     for given in args.repo:
@@ -109,7 +137,14 @@ def main() -> None:
         if not sep or not path:
             parser.error(f"--repo {given!r}: use OWNER/NAME=PATH")
         clones[repo] = Path(path).expanduser()
-    written = export(RECORDINGS, clones, args.out, args.all)
+    if args.librispeech:
+        if RESEMBLYZER[0] not in clones:
+            parser.error(f"--librispeech needs --repo {RESEMBLYZER[0]}=PATH")
+        clone = clones[RESEMBLYZER[0]]
+        recordings = recordings_under(clone, *RESEMBLYZER, LIBRISPEECH[args.librispeech], "CC BY 4.0 (LibriSpeech)")
+    else:
+        recordings = list(RECORDINGS)
+    written = export(recordings, clones, args.out, args.all)
     print_result({"out": str(args.out), "recordings": [r.name for r in written]})
 
 

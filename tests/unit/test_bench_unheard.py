@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.unheard import Recording, export
+from bench.unheard import Recording, export, recordings_under
 from voicemesh.audio import float_to_pcm16, read_wav, write_wav
 
 
@@ -52,3 +52,20 @@ def test_a_recording_whose_clone_is_missing_or_lacks_it_is_refused_by_name(tmp_p
     _git(repo, "init", "-q")
     with pytest.raises(SystemExit, match=r"no said\.wav at 000000000000"):
         export([recording], {"someone/speech": repo}, tmp_path / "set")
+
+
+def test_every_recording_under_a_folder_at_a_commit_is_listed_and_written(tmp_path: Path) -> None:
+    repo = tmp_path / "clone"
+    (repo / "speech" / "19").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    tone = (0.3 * np.sin(2 * np.pi * 220 * np.arange(16000) / 16000)).astype(np.float32)
+    write_wav(repo / "speech" / "19" / "19-198-0001.wav", float_to_pcm16(tone), 16000)
+    (repo / "speech" / "README.md").write_text("not audio")
+    write_wav(repo / "elsewhere.wav", float_to_pcm16(tone), 16000)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "speech")
+    commit = _git(repo, "rev-parse", "HEAD")
+    write_wav(repo / "speech" / "19" / "later.wav", float_to_pcm16(tone), 16000)  # not at the commit
+    listed = recordings_under(repo, "someone/speech", commit, "speech", "CC BY 4.0")
+    assert [(r.name, r.path) for r in listed] == [("19-198-0001", "speech/19/19-198-0001.wav")]
+    assert [r.name for r in export(listed, {"someone/speech": repo}, tmp_path / "set")] == ["19-198-0001"]

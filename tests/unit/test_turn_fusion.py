@@ -143,3 +143,18 @@ def test_auc_counts_finished_points_above_inside_ones_and_leaves_missing_scores_
     assert auc(np.array([0.5, 0.5, 0.5, 0.5, 0.5]), finished) == 0.5  # ties count half
     assert auc(np.array([0.9, np.nan, 0.1, np.nan, 0.95]), finished) == 0.5
     assert auc(np.array([0.9, 0.8, np.nan, np.nan, np.nan]), finished) is None
+
+
+def test_read_speech_is_cut_where_its_transcript_says_the_speaker_goes_on() -> None:
+    from bench.turn_fusion import pauses_of
+    from services.asr.engine import WordTiming
+
+    said = "He came home. Then he slept, and dreamt"
+    words = [WordTiming(w, i * 0.3, i * 0.3 + 0.25, 0.9) for i, w in enumerate(said.split())]
+    assert pauses_of(said, words, None, "x") == (True, list(range(1, 8))), "a known finished utterance: every end"
+    finished, ends = pauses_of(said, words, 10, "x")
+    assert not finished, "a transcript ending without a full stop was cut mid-sentence: its end is no turn end"
+    assert ends == [1, 2, 4, 5, 6, 7], "never after 'home.', where the speaker may have been done"
+    finished, ends = pauses_of(said + " deeply.", [*words, WordTiming("deeply.", 2.4, 2.7, 0.9)], 2, "x")
+    assert finished and len(ends) == 2 and 3 not in ends
+    assert pauses_of(said + " deeply.", [*words, WordTiming("deeply.", 2.4, 2.7, 0.9)], 2, "x")[1] == ends, "seeded"
