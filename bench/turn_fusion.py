@@ -39,7 +39,7 @@ from bench.turns import CLIPS
 from services.asr.completeness import SmartTurn, doubted
 from services.asr.engine import DecodeOptions, WordTiming
 from services.asr.fusion import FUSION_PATH, PROBABILITIES, TurnEndFusion, TurnEndFusions
-from services.asr.whisper_engine import WhisperTranscriber
+from services.asr.whisper_engine import END_MARKS, WhisperTranscriber
 from services.llm.engine import Engine, GenerationRequest, Message
 from services.llm.server import LlmSettings, build_engine
 from services.llm.turn_probe_data import Dialogue, clean, sgd_dialogues
@@ -91,7 +91,6 @@ def _condition(audio: np.ndarray, condition: str, rng: np.random.Generator) -> n
     return audio
 
 
-SENTENCE_ENDS = (".", "?", "!")
 TAIL_S = 0.12
 """Audio kept after a word's end: the VAD's windows before it calls the silence, so a last sound is never cut."""
 
@@ -177,9 +176,9 @@ def pauses_of(text: str, words: Sequence[WordTiming], inside: int | None, seed: 
     ends = list(range(1, len(words)))
     if inside is None:
         return True, ends
-    ends = [k for k in ends if not words[k - 1].text.rstrip().endswith(SENTENCE_ENDS)]
+    ends = [k for k in ends if not words[k - 1].text.rstrip().endswith(END_MARKS)]
     drawn = sorted(random.Random(seed).sample(ends, min(inside, len(ends))))
-    return text.rstrip().endswith(SENTENCE_ENDS), drawn
+    return text.rstrip().endswith(END_MARKS), drawn
 
 
 async def collect(sgd: Path, lines_per_split: int) -> list[dict]:
