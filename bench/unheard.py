@@ -66,29 +66,27 @@ RECORDINGS = (
 )
 
 
-def read_at_commit(clone: Path, commit: str, path: str) -> bytes:
-    """A file's bytes at `commit` of the clone at `clone` (plain or bare)."""
+def _git(clone: Path, *args: str, missing: str) -> bytes:
+    """A git command's output in the clone at `clone` (plain or bare); SystemExit saying what is `missing`."""
     try:
-        return subprocess.run(
-            ["git", "-C", str(clone), "show", f"{commit}:{path}"], check=True, capture_output=True
-        ).stdout
+        return subprocess.run(["git", "-C", str(clone), *args], check=True, capture_output=True).stdout
     except subprocess.CalledProcessError as error:
-        raise SystemExit(f"{clone}: no {path} at {commit[:12]} ({error.stderr.decode().strip()})") from error
+        raise SystemExit(f"{clone}: no {missing} ({error.stderr.decode().strip()})") from error
+
+
+def read_at_commit(clone: Path, commit: str, path: str) -> bytes:
+    """A file's bytes at `commit` of the clone at `clone`."""
+    return _git(clone, "show", f"{commit}:{path}", missing=f"{path} at {commit[:12]}")
 
 
 def recordings_under(clone: Path, repo: str, commit: str, folder: str, license: str) -> list[Recording]:
     """Every audio file (FLAC, WAV, MP3) under `folder` at `commit`, named by its file name. Whether each ends a
     sentence is not known here (`finished` stays True): `python -m bench.turn_fusion --read-speech` reads it off the
     transcript."""
-    listing = subprocess.run(
-        ["git", "-C", str(clone), "ls-tree", "-r", "--name-only", commit, folder],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.splitlines()
+    listing = _git(clone, "ls-tree", "-r", "--name-only", commit, folder, missing=f"commit {commit[:12]}")
     return [
         Recording(Path(path).stem, repo, commit, path, license)
-        for path in listing
+        for path in listing.decode().splitlines()
         if path.lower().endswith((".flac", ".wav", ".mp3"))
     ]
 
