@@ -37,6 +37,9 @@ BENCHMARKS = {
     "turn_fusion": Benchmark(
         "bench.turn_fusion", "end of turn on spoken pauses: each signal alone and fused, cut-offs against dead air"
     ),
+    "smart_turn_pause": Benchmark(
+        "bench.smart_turn_pause", "Smart Turn's P as a pause goes on: finished against inside at 32-500 ms of silence"
+    ),
     "asr_rest": Benchmark(
         "bench.asr_rest", "Whisper's text ending before the speech: decoded once vs the rest decoded and appended"
     ),

@@ -158,3 +158,15 @@ def test_read_speech_is_cut_where_its_transcript_says_the_speaker_goes_on() -> N
     finished, ends = pauses_of(said + " deeply.", [*words, WordTiming("deeply.", 2.4, 2.7, 0.9)], 2, "x")
     assert finished and len(ends) == 2 and 3 not in ends
     assert pauses_of(said + " deeply.", [*words, WordTiming("deeply.", 2.4, 2.7, 0.9)], 2, "x")[1] == ends, "seeded"
+
+
+def test_the_room_tone_after_a_cut_is_at_the_recordings_own_floor() -> None:
+    from bench.smart_turn_pause import room_tone
+
+    rng = np.random.default_rng(0)
+    speech = np.sin(np.arange(16000) / 5).astype(np.float32) * 0.3
+    quiet = (rng.standard_normal(16000) * 0.001).astype(np.float32)  # 1 s of the room at 0.001 RMS
+    recording = np.concatenate([np.zeros(1600, np.float32), quiet, speech])  # leading digital silence is no floor
+    tone = room_tone(recording, 200, rng)
+    assert len(tone) == 200 * 16
+    assert 0.0007 < float(np.sqrt(np.mean(tone**2))) < 0.0013
