@@ -20,19 +20,16 @@ from bench import print_result
 from bench.turn_fusion import INSIDE_PER_READ, _end_of_speech, _word_end, auc, pauses_of
 from services.asr.completeness import SmartTurn
 from services.asr.whisper_engine import WhisperTranscriber
-from voicemesh.audio import read_wav
+from voicemesh.audio import block_levels_db, noise_floor_db, read_wav
 
 AFTER_MS = (32, 100, 200, 300, 500)
 
 
 def room_tone(audio: np.ndarray, ms: int, rng: np.random.Generator) -> np.ndarray:
-    """`ms` of noise at the recording's floor: the RMS of its quietest 5% of 10 ms blocks that are not digital
-    silence."""
-    blocks = audio[: len(audio) // 160 * 160].reshape(-1, 160).astype(np.float64)
-    rms = np.sqrt(np.mean(blocks**2, axis=1))
-    sounding = rms[rms > 1e-5]
-    floor = float(np.percentile(sounding, 5)) if len(sounding) else 0.0
-    return (rng.standard_normal(ms * 16) * floor).astype(np.float32)
+    """`ms` of noise at the level of the 16 kHz recording's noise floor (`noise_floor_db`)."""
+    floor_db = noise_floor_db(block_levels_db(audio, 16000))
+    rms = 10 ** (floor_db / 20) if floor_db > -120 else 0.0
+    return (rng.standard_normal(ms * 16) * rms).astype(np.float32)
 
 
 def score_set(

@@ -124,18 +124,28 @@ class Clip:
         return [*framer.push(self.pcm16()), *framer.flush()]
 
 
-def speech_end_ms(audio: np.ndarray, rate_hz: int, within_db: float = 35.0) -> float:
-    """End of the last 10 ms block within `within_db` of the loudest block and 10 dB above the noise floor (the 5th
-    percentile of the blocks that are not digital silence); 0.0 when there is none. Without the floor a recording's
-    room noise counts as speech (wizard.wav's last 230 ms sit at its floor, -40 to -49 dBFS)."""
+def block_levels_db(audio: np.ndarray, rate_hz: int) -> np.ndarray:
+    """The level of each whole 10 ms block, dBFS (digital silence at -120)."""
     block = rate_hz // 100
     blocks = audio[: len(audio) // block * block].reshape(-1, block)
-    if not len(blocks):
+    return 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
+
+
+def noise_floor_db(levels: np.ndarray) -> float:
+    """A recording's noise floor from its `block_levels_db`: the 5th percentile of the blocks that are not digital
+    silence; -120.0 when all are."""
+    sounding = levels[levels > -100]
+    return float(np.percentile(sounding, 5)) if len(sounding) else -120.0
+
+
+def speech_end_ms(audio: np.ndarray, rate_hz: int, within_db: float = 35.0) -> float:
+    """End of the last 10 ms block within `within_db` of the loudest block and 10 dB above the noise floor
+    (`noise_floor_db`); 0.0 when there is none. Without the floor a recording's room noise counts as speech
+    (wizard.wav's last 230 ms sit at its floor, -40 to -49 dBFS)."""
+    level = block_levels_db(audio, rate_hz)
+    if not len(level):
         return 0.0
-    level = 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
-    sounding = level[level > -100]
-    floor = float(np.percentile(sounding, 5)) if len(sounding) else -120.0
-    loud = np.flatnonzero(level > max(level.max() - within_db, floor + 10))
+    loud = np.flatnonzero(level > max(level.max() - within_db, noise_floor_db(level) + 10))
     return float((loud[-1] + 1) * 10) if len(loud) else 0.0
 
 
