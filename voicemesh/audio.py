@@ -128,7 +128,8 @@ def block_levels_db(audio: np.ndarray, rate_hz: int) -> np.ndarray:
     """The level of each whole 10 ms block, dBFS (digital silence at -120)."""
     block = rate_hz // 100
     blocks = audio[: len(audio) // block * block].reshape(-1, block)
-    return 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
+    levels: np.ndarray = 10 * np.log10(np.mean(blocks.astype(np.float64) ** 2, axis=1) + 1e-12)
+    return levels
 
 
 def noise_floor_db(levels: np.ndarray) -> float:
